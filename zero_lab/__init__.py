@@ -1,0 +1,6 @@
+"""zero-lab: build ZeRO yourself. Lessons export their modules here; see README.md."""
+
+from zero_lab.comm_ledger import CommLedger
+from zero_lab.launcher import RankFailed, RanksHung, init_distributed, launch
+
+__all__ = ["CommLedger", "RankFailed", "RanksHung", "init_distributed", "launch"]

@@ -1,0 +1,264 @@
+"""Communication ledger: count every collective a rank issues, whoever issues it.
+
+The launcher (and `init_distributed` under torchrun) creates the default process group
+with the backend "counted": a thin Python process group that records each call and then
+hands it to the real transport (gloo on CPU, nccl on CUDA). Because it sits *under*
+`torch.distributed`, it sees our own code and PyTorch's DDP reducer (C++), FSDP2 and
+ZeroRedundancyOptimizer alike, so lessons can compare them side by side.
+
+Convention for "bytes sent" (docs/communication.md has the derivation):
+a collective over N ranks on a logical message of M elements is charged what one rank sends
+with the bandwidth-optimal ring algorithm, i.e. the total traffic on all links divided by N:
+
+    all_reduce                      2 (N-1)/N * M
+    reduce_scatter, all_gather      (N-1)/N * M     (M = the full, unsharded size)
+    broadcast, reduce, all_to_all   (N-1)/N * M
+    send                            M               (recv counts as received, not sent)
+
+The ZeRO paper's "Psi" per collective is this (N-1)/N * Psi rounded to Psi. Values are exact
+`Fraction`s so a test can compare them with a formula without rounding.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import timedelta
+from fractions import Fraction
+
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
+
+BACKEND = "counted"
+
+# How many "M"s a rank sends per element of the logical message, times N/(N-1).
+_RING_FACTOR = {
+    "all_reduce": 2,
+    "reduce_scatter": 1,
+    "all_gather": 1,
+    "broadcast": 1,
+    "reduce": 1,
+    "all_to_all": 1,
+    "gather": 1,
+    "scatter": 1,
+}
+
+_active: list["CommLedger"] = []
+_lock = threading.Lock()
+
+
+@dataclass
+class KindTotals:
+    calls: int = 0
+    elements: int = 0  # logical message size M, summed over calls
+    bytes: int = 0  # M times element size, summed over calls
+    sent_bytes: Fraction = field(default_factory=Fraction)  # per the ring convention above
+
+
+class CommLedger:
+    """Counts the collectives this rank issues inside a `with` block.
+
+    >>> with CommLedger() as ledger:
+    ...     dist.all_reduce(torch.ones(10))
+    >>> ledger.totals["all_reduce"].calls, ledger.sent_bytes()
+    """
+
+    def __init__(self):
+        self.totals: dict[str, KindTotals] = defaultdict(KindTotals)
+
+    def __enter__(self) -> "CommLedger":
+        if not dist.is_initialized() or dist.get_backend() != BACKEND:
+            raise RuntimeError(
+                "CommLedger needs the process group made by zero_lab.launch or "
+                "zero_lab.init_distributed (backend 'counted'); "
+                f"this one is {dist.get_backend() if dist.is_initialized() else 'not initialized'}."
+            )
+        with _lock:
+            _active.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with _lock:
+            _active.remove(self)
+
+    def record(self, kind: str, elements: int, element_size: int, group_size: int) -> None:
+        totals = self.totals[kind]
+        totals.calls += 1
+        totals.elements += elements
+        totals.bytes += elements * element_size
+        if kind == "send":
+            totals.sent_bytes += elements * element_size
+        elif kind in _RING_FACTOR:
+            totals.sent_bytes += Fraction(
+                _RING_FACTOR[kind] * (group_size - 1) * elements * element_size, group_size
+            )
+
+    def calls(self, kind: str | None = None) -> int:
+        return sum(t.calls for k, t in self.totals.items() if kind in (None, k))
+
+    def sent_bytes(self, kind: str | None = None) -> Fraction:
+        return sum((t.sent_bytes for k, t in self.totals.items() if kind in (None, k)), Fraction())
+
+    def summary(self) -> dict[str, dict]:
+        """Plain data (picklable, printable): {kind: {calls, elements, bytes, sent_bytes}}."""
+        return {
+            kind: {
+                "calls": t.calls,
+                "elements": t.elements,
+                "bytes": t.bytes,
+                "sent_bytes": float(t.sent_bytes),
+            }
+            for kind, t in sorted(self.totals.items())
+        }
+
+    def table(self) -> str:
+        rows = [f"{'collective':<16}{'calls':>7}{'elements':>14}{'bytes sent':>16}"]
+        for kind, t in sorted(self.totals.items()):
+            rows.append(f"{kind:<16}{t.calls:>7}{t.elements:>14}{float(t.sent_bytes):>16,.0f}")
+        return "\n".join(rows)
+
+
+def _record(kind: str, tensors, group_size: int, elements: int | None = None) -> None:
+    if not _active:
+        return
+    tensors = list(tensors)
+    if elements is None:
+        elements = sum(t.numel() for t in tensors)
+    element_size = tensors[0].element_size() if tensors else 0
+    with _lock:
+        for ledger in _active:
+            ledger.record(kind, elements, element_size, group_size)
+
+
+def _flat(nested):
+    """Tensors of a list, or of a list of lists (the shapes c10d passes to backends)."""
+    for item in nested:
+        if isinstance(item, torch.Tensor):
+            yield item
+        else:
+            yield from item
+
+
+class CountingProcessGroup(dist.ProcessGroup):
+    """A process group that records each collective, then delegates to a real backend.
+
+    The argument shapes follow the c10d backend interface (lists of tensors, options
+    objects); each method names the logical message size M it charges.
+    """
+
+    def __init__(self, inner, rank: int, size: int, device_type: str, backend_type):
+        super().__init__(rank, size)
+        self.inner = inner
+        # Registering the transport gives this group a name and a device, which
+        # DeviceMesh / FSDP2 look up.
+        self._register_backend(torch.device(device_type), backend_type, inner)
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    # M = the tensor being reduced / broadcast.
+    def allreduce(self, tensors, opts=c10d.AllreduceOptions()):
+        _record("all_reduce", tensors, self.size())
+        return self.inner.allreduce(tensors, opts)
+
+    def allreduce_coalesced(self, tensors, opts=c10d.AllreduceCoalescedOptions()):
+        _record("all_reduce", tensors, self.size())
+        return self.inner.allreduce_coalesced(tensors, opts)
+
+    def broadcast(self, tensors, opts=c10d.BroadcastOptions()):
+        _record("broadcast", tensors, self.size())
+        return self.inner.broadcast(tensors, opts)
+
+    def reduce(self, tensors, opts=c10d.ReduceOptions()):
+        _record("reduce", tensors, self.size())
+        return self.inner.reduce(tensors, opts)
+
+    # M = the full (gathered / unscattered) size.
+    def allgather(self, output_lists, inputs, opts=c10d.AllgatherOptions()):
+        _record("all_gather", _flat(output_lists), self.size())
+        return self.inner.allgather(output_lists, inputs, opts)
+
+    def allgather_coalesced(self, output_lists, inputs, opts=c10d.AllgatherOptions()):
+        _record("all_gather", _flat(output_lists), self.size())
+        return self.inner.allgather_coalesced(output_lists, inputs, opts)
+
+    def all_gather_single(self, output, input, opts=c10d.AllgatherOptions()):
+        _record("all_gather", [output], self.size())
+        return self.inner._allgather_base(output, input, opts)
+
+    _allgather_base = all_gather_single
+
+    def reduce_scatter(self, outputs, input_lists, opts=c10d.ReduceScatterOptions()):
+        _record("reduce_scatter", _flat(input_lists), self.size())
+        return self.inner.reduce_scatter(outputs, input_lists, opts)
+
+    def reduce_scatter_single(self, output, input, opts=c10d.ReduceScatterOptions()):
+        _record("reduce_scatter", [input], self.size())
+        return self.inner._reduce_scatter_base(output, input, opts)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def alltoall_base(self, output, input, output_splits, input_splits, opts=c10d.AllToAllOptions()):
+        _record("all_to_all", [input], self.size())
+        return self.inner.alltoall_base(output, input, output_splits, input_splits, opts)
+
+    def alltoall(self, outputs, inputs, opts=c10d.AllToAllOptions()):
+        _record("all_to_all", inputs, self.size())
+        return self.inner.alltoall(outputs, inputs, opts)
+
+    def gather(self, output_lists, inputs, opts=c10d.GatherOptions()):
+        _record("gather", inputs, self.size(), elements=sum(t.numel() for t in inputs) * self.size())
+        return self.inner.gather(output_lists, inputs, opts)
+
+    def scatter(self, outputs, input_lists, opts=c10d.ScatterOptions()):
+        _record("scatter", outputs, self.size(), elements=sum(t.numel() for t in outputs) * self.size())
+        return self.inner.scatter(outputs, input_lists, opts)
+
+    # Point to point: M = what this rank sends.
+    def send(self, tensors, dst, tag):
+        _record("send", tensors, self.size())
+        return self.inner.send(tensors, dst, tag)
+
+    def recv(self, tensors, src, tag):
+        _record("recv", tensors, self.size())
+        return self.inner.recv(tensors, src, tag)
+
+    def recv_anysource(self, tensors, tag):
+        _record("recv", tensors, self.size())
+        return self.inner.recv_anysource(tensors, tag)
+
+    def barrier(self, opts=c10d.BarrierOptions()):
+        _record("barrier", [], self.size(), elements=0)
+        return self.inner.barrier(opts)
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        return self.inner.monitored_barrier(timeout, wait_all_ranks)
+
+
+def _create_counting_group(store, rank: int, size: int, timeout: timedelta):
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0 and _use_nccl():
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        inner = dist.ProcessGroupNCCL(store, rank, size, options)
+        return CountingProcessGroup(inner, rank, size, "cuda", dist.ProcessGroup.BackendType.NCCL)
+    inner = dist.ProcessGroupGloo(store, rank, size, timeout)
+    return CountingProcessGroup(inner, rank, size, "cpu", dist.ProcessGroup.BackendType.GLOO)
+
+
+_transport = {"name": "gloo"}
+
+
+def _use_nccl() -> bool:
+    return _transport["name"] == "nccl"
+
+
+def register(transport: str) -> str:
+    """Make backend "counted" available on top of `transport` ("gloo" or "nccl")."""
+    if transport not in ("gloo", "nccl"):
+        raise ValueError(f"transport must be 'gloo' or 'nccl', not {transport!r}")
+    _transport["name"] = transport
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create_counting_group, devices=["cpu", "cuda"])
+    return BACKEND

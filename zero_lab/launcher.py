@@ -1,0 +1,235 @@
+"""Run one Python function on N ranks of this machine and get each rank's result back.
+
+    results = zero_lab.launch(fn, world_size=4, *args)   # [fn's result on rank 0, 1, 2, 3]
+
+The same call serves notebook cells, pytest and scripts. Ranks are processes started with
+`fork` where the OS has it, so `fn` may be defined in a notebook cell; inside, `fn` sees an
+initialised default process group ("counted" over gloo on CPU, over nccl with one GPU per
+rank when there are enough GPUs) and can use `torch.distributed` as usual.
+
+Failures surface in the caller, never as a silent hang:
+- an exception on any rank raises `RankFailed` naming the rank, with its traceback, and the
+  other ranks are killed at once;
+- a rank that is still running after `timeout` seconds (say only some ranks entered a
+  collective) raises `RanksHung`, which names every stuck rank, the collective it is blocked
+  in and its Python stack (dumped by faulthandler), then kills them all.
+No child outlives `launch`: every path ends with SIGKILL and a reap, and children also die
+with their parent (PR_SET_PDEATHSIG) if the caller itself is killed.
+
+Under `torchrun`, call `init_distributed()` instead: it reads torchrun's environment.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import multiprocessing as mp
+import os
+import pickle
+import re
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import wait
+
+# Asking "is there a GPU?" through NVML keeps CUDA uninitialised in the parent, so forked
+# ranks can still use it. Must be set before torch first queries CUDA.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from zero_lab import comm_ledger  # noqa: E402
+
+DEFAULT_TIMEOUT = 120.0
+
+
+class RankFailed(RuntimeError):
+    """A rank raised an exception or died; `rank` and `rank_traceback` say which and where."""
+
+    def __init__(self, rank: int, world_size: int, rank_traceback: str):
+        self.rank, self.world_size, self.rank_traceback = rank, world_size, rank_traceback
+        super().__init__(f"rank {rank} of {world_size} failed:\n{rank_traceback}")
+
+
+class RanksHung(TimeoutError):
+    """Ranks still running after the timeout; `stuck` maps rank -> where it was blocked."""
+
+    def __init__(self, timeout: float, world_size: int, stuck: dict[int, str], stacks: dict[int, str]):
+        self.stuck, self.stacks = stuck, stacks
+        lines = [f"{len(stuck)} of {world_size} ranks still running after {timeout:g} s:"]
+        lines += [f"  rank {rank}: {where}" for rank, where in sorted(stuck.items())]
+        lines.append("(a collective that not every rank entered, or entered in a different order, blocks forever)")
+        for rank, stack in sorted(stacks.items()):
+            lines.append(f"\n--- rank {rank} Python stack (most recent call first) ---\n{stack.strip()}")
+        super().__init__("\n".join(lines))
+
+
+def transport() -> str:
+    """'nccl' if a GPU is visible, else 'gloo'."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(timeout: float | None = None) -> torch.device:
+    """Join the default process group from environment variables; return this rank's device.
+
+    Works under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and inside
+    `launch`, which sets the same variables. A no-op if the group already exists.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if transport() == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = comm_ledger.register(transport())
+        kwargs = {"timeout": timedelta(seconds=timeout)} if timeout else {}
+        dist.init_process_group(backend, init_method="env://", **kwargs)
+    return device
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _rank_main(fn, args, kwargs, rank, world_size, port, threads, conn, stack_file, timeout):
+    _die_with_parent()
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(threads)
+    try:
+        init_distributed(timeout=timeout)
+        message = ("ok", fn(*args, **kwargs))
+    except BaseException:
+        message = ("error", traceback.format_exc())
+    try:
+        # Plain pickle: torch's multiprocessing pickler would pass tensors as shared-memory
+        # handles, which die with this process.
+        conn.send_bytes(pickle.dumps(message))
+    except Exception:
+        conn.send_bytes(pickle.dumps(("error", "could not send the result back:\n" + traceback.format_exc())))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Stay up until the parent has every result and kills us: a rank that left early would
+    # break its peers' connections and turn their honest hang into a misleading error.
+    while True:
+        signal.pause()
+
+
+def _blocked_in(stack: str) -> str:
+    """Name the torch.distributed call (and the caller's line) a faulthandler stack is in."""
+    frames = re.findall(r'File "(.+?)", line (\d+) in (\S+)', stack)
+    collective = next((f for path, _, f in frames if path.endswith("distributed_c10d.py")), None)
+    caller = next(
+        (f"{os.path.basename(path)}:{line} in {func}" for path, line, func in frames
+         if f"{os.sep}torch{os.sep}" not in path and not path.endswith("launcher.py")),
+        None,
+    )
+    if collective:
+        return f"blocked in torch.distributed.{collective}" + (f" (called from {caller})" if caller else "")
+    return f"running {caller}" if caller else "no Python frame (blocked in C code)"
+
+
+def launch(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> list:
+    """Run `fn(*args, **kwargs)` on `world_size` ranks; return the list of per-rank results.
+
+    Results travel back by pickle, so return plain data (numbers, lists, dicts, CPU tensors).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if transport() == "nccl" and torch.cuda.device_count() < world_size:
+        raise ValueError(
+            f"world_size={world_size} needs one GPU per rank, but {torch.cuda.device_count()} are visible; "
+            "use fewer ranks or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run them on CPU."
+        )
+    if "fork" not in mp.get_all_start_methods():
+        raise RuntimeError(
+            "zero_lab.launch needs the 'fork' start method, which this OS lacks (Windows). "
+            "Run the course under WSL2, or run scripts with torchrun (see README: 'Several "
+            "processes without fork')."
+        )
+    if torch.cuda.is_initialized():
+        raise RuntimeError(
+            "CUDA is already initialised in this process, so forked ranks cannot use it. "
+            "Restart the kernel and call zero_lab.launch before touching CUDA in the parent."
+        )
+    ctx = mp.get_context("fork")
+    port = _free_port()
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    procs, conns, stack_files = [], [], []
+    try:
+        for rank in range(world_size):
+            parent_end, child_end = ctx.Pipe(duplex=False)
+            stack_file = tempfile.TemporaryFile(mode="w+")
+            proc = ctx.Process(
+                target=_rank_main,
+                args=(fn, args, kwargs, rank, world_size, port, threads, child_end, stack_file, timeout),
+                daemon=True,
+            )
+            proc.start()
+            child_end.close()
+            procs.append(proc)
+            conns.append(parent_end)
+            stack_files.append(stack_file)
+        return _collect(procs, conns, stack_files, timeout)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in procs:
+            proc.join()
+        for item in conns + stack_files:
+            item.close()
+
+
+def _collect(procs, conns, stack_files, timeout):
+    world_size = len(procs)
+    results: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    while len(results) < world_size:
+        pending = [r for r in range(world_size) if r not in results]
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            _raise_hung(pending, procs, stack_files, timeout)
+        ready = wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending], remaining)
+        for rank in pending:
+            if conns[rank] in ready or (procs[rank].sentinel in ready and conns[rank].poll()):
+                try:
+                    status, payload = pickle.loads(conns[rank].recv_bytes())
+                except EOFError:
+                    status, payload = "error", "the rank exited without reporting a result"
+                if status == "error":
+                    raise RankFailed(rank, world_size, payload)
+                results[rank] = payload
+            elif procs[rank].sentinel in ready:
+                code = procs[rank].exitcode
+                how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+                raise RankFailed(rank, world_size, f"the process died without a Python exception ({how})")
+    return [results[r] for r in range(world_size)]
+
+
+def _raise_hung(pending, procs, stack_files, timeout):
+    for rank in pending:
+        os.kill(procs[rank].pid, signal.SIGUSR1)
+    time.sleep(0.3)  # faulthandler writes from its signal handler: give it a moment
+    stacks = {}
+    for rank in pending:
+        stack_files[rank].seek(0)
+        # Keep the frames of the rank's own work: drop the launcher and multiprocessing ones.
+        stacks[rank] = stack_files[rank].read().split("in _rank_main")[0].rsplit("\n", 1)[0]
+    stuck = {rank: _blocked_in(stacks[rank]) for rank in pending}
+    raise RanksHung(timeout, len(procs), stuck, stacks)
