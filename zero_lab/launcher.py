@@ -207,19 +207,22 @@ def _collect(procs, conns, stack_files, timeout):
             _raise_hung(pending, procs, stack_files, timeout)
         ready = wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending], remaining)
         for rank in pending:
-            if conns[rank] in ready or (procs[rank].sentinel in ready and conns[rank].poll()):
-                try:
-                    status, payload = pickle.loads(conns[rank].recv_bytes())
-                except EOFError:
-                    status, payload = "error", "the rank exited without reporting a result"
-                if status == "error":
-                    raise RankFailed(rank, world_size, payload)
-                results[rank] = payload
-            elif procs[rank].sentinel in ready:
-                code = procs[rank].exitcode
-                how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-                raise RankFailed(rank, world_size, f"the process died without a Python exception ({how})")
+            if conns[rank] not in ready and procs[rank].sentinel not in ready:
+                continue
+            try:
+                status, payload = pickle.loads(conns[rank].recv_bytes())
+            except EOFError:  # the pipe closed with nothing in it: the process died
+                procs[rank].join(1)
+                raise RankFailed(rank, world_size, f"the process died without a Python exception ({_exit_reason(procs[rank])})")
+            if status == "error":
+                raise RankFailed(rank, world_size, payload)
+            results[rank] = payload
     return [results[r] for r in range(world_size)]
+
+
+def _exit_reason(proc) -> str:
+    code = proc.exitcode
+    return f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
 
 
 def _raise_hung(pending, procs, stack_files, timeout):
