@@ -103,3 +103,16 @@ def test_needs_the_counting_process_group():
     with pytest.raises(RuntimeError, match="counted"):
         with CommLedger():
             pass
+
+
+def _all_reduce_on_subgroup():
+    pair = dist.new_group([0, 1])
+    with CommLedger() as ledger:
+        if dist.get_rank() in (0, 1):
+            dist.all_reduce(torch.ones(6), group=pair)
+    return ledger.sent_bytes()
+
+
+def test_subgroups_are_counted_with_their_own_size():
+    # A group of 2 inside a world of 3: 2 (2-1)/2 * 6 elements * 4 bytes.
+    assert launch(_all_reduce_on_subgroup, 3) == [24, 24, 0]
