@@ -1,0 +1,117 @@
+"""Our ZeRO stage 1 next to PyTorch's ZeroRedundancyOptimizer + DistributedDataParallel.
+
+    python benchmarks/zero1_vs_torch.py [--ranks 2] [--steps 12] [--repeats 3]
+
+Each rank trains three replicas of the same GPT on the same shards (our DDP from lesson 02,
+our stage 1 from lesson 03, torch's ZeroRedundancyOptimizer wrapped around AdamW under torch
+DDP), interleaving their steps so machine noise hits all alike. Prints per step: the
+collectives and bytes each rank sends (comm ledger, ring convention), the median step time
+(forward + backward + communication + AdamW, rank 0) over `--repeats` launches, the ratio to
+torch's, and how far the weights end up from torch's (fp32; sums in another order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+import zero_lab
+from zero_lab.data import shard_batch, token_batches
+from zero_lab.models import GPT, GPTConfig
+from zero_lab.prepare import prepare
+
+CONFIG = GPTConfig(vocab_size=256, n_layer=4, n_head=4, n_embd=128, block_size=64)
+VERSIONS = ("DDP (ours)", "ZeRO-1 (ours)", "torch ZeRO + DDP")
+LR = 1e-3
+
+
+def build(name: str, model: torch.nn.Module):
+    """(model to call, optimizer) for one version."""
+    if name == "DDP (ours)":
+        return prepare(model, torch.optim.AdamW, stage=0, lr=LR)
+    if name == "ZeRO-1 (ours)":
+        return prepare(model, torch.optim.AdamW, stage=1, lr=LR)
+    # broadcast_buffers=False: the causal masks never change, and their per-forward broadcast
+    # would blur the comparison of what the optimizers send.
+    ddp = DistributedDataParallel(model, broadcast_buffers=False)
+    return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
+
+
+def train_side_by_side(steps: int, warmup: int, batch_size: int, config: GPTConfig = CONFIG) -> dict:
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    runs = {}
+    for name in VERSIONS:
+        model, optimizer = build(name, GPT(config, seed=0))
+        runs[name] = dict(model=model, optimizer=optimizer, times=[])
+    for step, batch in enumerate(token_batches(steps, batch_size, config.block_size, config.vocab_size)):
+        tokens, targets = shard_batch(batch, rank, world_size)
+        order = VERSIONS[step % len(VERSIONS):] + VERSIONS[:step % len(VERSIONS)]
+        for name in order:
+            run = runs[name]
+            dist.barrier()  # time the step, not the wait for the other rank's previous one
+            start = time.perf_counter()
+            with zero_lab.CommLedger() as ledger:
+                run["model"](tokens, targets)[1].backward()
+                run["optimizer"].step()
+                run["optimizer"].zero_grad()
+            run["times"].append(time.perf_counter() - start)
+            run["ledger"] = ledger.summary()
+    torch_weights = list(runs["torch ZeRO + DDP"]["model"].parameters())
+    return {
+        name: dict(
+            collectives={kind: (t["calls"], t["sent_bytes"]) for kind, t in run["ledger"].items()},
+            sent_bytes=sum(t["sent_bytes"] for t in run["ledger"].values()),
+            step_ms=1e3 * statistics.median(run["times"][warmup:]),
+            max_diff_to_torch=max((a.detach() - b.detach()).abs().max().item()
+                                  for a, b in zip(run["model"].parameters(), torch_weights)),
+        )
+        for name, run in runs.items()
+    }
+
+
+def compare(ranks: int = 2, steps: int = 12, warmup: int = 3, repeats: int = 3, batch_size: int = 16,
+            config: GPTConfig = CONFIG, progress=lambda iterable: iterable) -> dict:
+    """{version: rank 0's figures, step_ms being the median over `repeats` launches}."""
+    runs = [zero_lab.launch(train_side_by_side, ranks, steps, warmup, batch_size, config, timeout=600)[0]
+            for _ in progress(range(repeats))]
+    return {name: {**runs[0][name], "step_ms": statistics.median(run[name]["step_ms"] for run in runs),
+                   "step_ms_all": [run[name]["step_ms"] for run in runs]}
+            for name in VERSIONS}
+
+
+def table(results: dict, psi: int, ranks: int) -> str:
+    reference = results["torch ZeRO + DDP"]["step_ms"]
+    rows = [f"GPT with {psi:,} parameters, {ranks} ranks (CPU, gloo), fp32; DDP's 2(N-1)/N * 4 bytes * psi "
+            f"= {2 * (ranks - 1) / ranks * 4 * psi:,.0f} bytes",
+            f"{'version':>17} {'bytes sent':>12} {'step ms':>8} {'/ torch':>8} {'max |w - torch|':>16}  collectives (calls)"]
+    for name, row in results.items():
+        calls = ", ".join(f"{kind} {calls}" for kind, (calls, _) in sorted(row["collectives"].items()))
+        rows.append(f"{name:>17} {row['sent_bytes']:>12,.0f} {row['step_ms']:>8.1f} "
+                    f"{row['step_ms'] / reference:>8.2f} {row['max_diff_to_torch']:>16.1e}  {calls}")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the timing")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=16, help="global batch, split over the ranks")
+    args = parser.parse_args()
+    results = compare(args.ranks, args.steps, args.warmup, args.repeats, args.batch_size)
+    print(table(results, GPT(CONFIG).num_params(), args.ranks))
+    print(f"step ms: median over {args.repeats} launches of the median of steps {args.warmup + 1}-{args.steps} "
+          "on rank 0; wall-clock on this machine, noisy if others are using it. Per launch: "
+          + "; ".join(f"{name} {', '.join(f'{t:.1f}' for t in row['step_ms_all'])}" for name, row in results.items()))
+
+
+if __name__ == "__main__":
+    main()

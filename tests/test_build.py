@@ -1,0 +1,158 @@
+"""`zero-lab build` and `zero-lab mine` on a tiny fixture lesson, in a temporary repo."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from zero_lab import build
+
+FIXTURE = Path(__file__).parent / "fixtures" / "99_fixture"
+LESSON = "99_fixture"
+SOURCE = f"solutions/{LESSON}/{LESSON}.ipynb"
+COURSE = f"course/{LESSON}/{LESSON}.ipynb"
+MODULE = "zero_lab/fixture_ops.py"
+
+
+@pytest.fixture(scope="module")
+def built_repo(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("repo")
+    shutil.copytree(FIXTURE, repo / "solutions" / LESSON)
+    build.build(repo)
+    return repo
+
+
+@pytest.fixture
+def repo(built_repo, tmp_path):
+    """A copy of the built repo that a test may change."""
+    shutil.copytree(built_repo, tmp_path / "repo")
+    return tmp_path / "repo"
+
+
+def cell_by_id(nb, grade_id):
+    return next(c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id") == grade_id)
+
+
+def test_export_keeps_solution_code_without_markers(built_repo):
+    assert (built_repo / MODULE).read_text() == (
+        f"# Generated from {SOURCE} by `zero-lab build`: edit the notebook, not this file.\n"
+        "\n"
+        "import torch.distributed as dist\n"
+        "\n"
+        "\n"
+        "def all_sum(tensor):\n"
+        '    """Sum `tensor` over all ranks, in place, and return it."""\n'
+        "    dist.all_reduce(tensor)\n"
+        "    return tensor\n"
+    )
+
+
+def test_metadata_follows_directives(built_repo):
+    nb = build.read_notebook(built_repo / SOURCE)
+    kinds = [c.metadata.get("nbgrader") for c in nb.cells]
+    assert kinds[:3] == [None, None, None]  # markdown, plain code, export without a solution region
+    assert kinds[3] == {"grade": False, "grade_id": "fixture_ops-all_sum", "locked": False,
+                        "schema_version": 3, "solution": True, "task": False}
+    assert kinds[4] == {"grade": True, "grade_id": "test_all_sum", "locked": True, "points": 2,
+                        "schema_version": 3, "solution": False, "task": False}
+    assert kinds[5]["grade_id"] == "double" and kinds[5]["solution"]
+    assert kinds[6]["grade_id"] == "test_double" and kinds[6]["points"] == 1
+
+
+def test_learner_edition_has_stubs_and_no_hidden_tests(built_repo):
+    nb = build.read_notebook(built_repo / COURSE)
+    answer = cell_by_id(nb, "fixture_ops-all_sum").source
+    assert answer.startswith("#| export fixture_ops\n")  # `zero-lab mine` needs the directive
+    assert "raise NotImplementedError()" in answer and "dist.all_reduce" not in answer
+    test = cell_by_id(nb, "test_all_sum")
+    assert "launch(summed_on_every_rank, 2" in test.source and "HIDDEN" not in test.source
+    assert test.metadata.editable is False
+
+
+def test_check_passes_right_after_a_build(built_repo):
+    # check regenerates everything and compares bytes: this also shows the build is deterministic
+    assert build.check(built_repo) == []
+
+
+def test_check_names_each_kind_of_drift(repo):
+    module = repo / MODULE
+    module.write_text(module.read_text().replace("dist.all_reduce(tensor)", "pass"))
+    source = build.read_notebook(repo / SOURCE)
+    source.cells[1].execution_count = 3
+    del source.cells[6].metadata["nbgrader"]
+    nbformat.write(source, repo / SOURCE)
+    course = build.read_notebook(repo / COURSE)
+    course.cells[1].outputs = [nbformat.v4.new_output("stream", text="hi")]
+    answer = cell_by_id(course, "fixture_ops-all_sum")
+    answer.source = answer.source.replace("raise NotImplementedError()", "dist.all_reduce(tensor)\n    ### END SOLUTION")
+    nbformat.write(course, repo / COURSE)
+
+    problems = "\n".join(build.check(repo))
+
+    assert f"{MODULE}: differs from what the notebooks give; run `zero-lab build`" in problems
+    assert f"{SOURCE}: has outputs or execution counts" in problems
+    assert f"{SOURCE}, cell 6: nbgrader metadata does not match its directive" in problems
+    assert f"{COURSE}: has outputs or execution counts" in problems
+    assert f"{COURSE}: contains 'END SOLUTION'" in problems
+    assert f"{COURSE}: contains reference solution or hidden test code 'dist.all_reduce(tensor)'" in problems
+    # ... and the build repairs all of it (the source notebook's outputs are cleared).
+    build.build(repo)
+    assert build.check(repo) == []
+
+
+def notebook(*sources):
+    return nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in sources])
+
+
+@pytest.mark.parametrize("sources, error", [
+    (["x = 1\n### BEGIN SOLUTION\nx = 2\n### END SOLUTION"], "needs a `#| export <module>` or `#| solution <id>`"),
+    (["#| exprot m\nx = 1"], "unknown directive '#| exprot m'"),
+    (["#| test t\nassert True"], "malformed directive '#| test t'"),
+    (["#| solution a\nx = 1"], "needs a ### BEGIN SOLUTION"),
+    (["#| test a points=1\nassert 1", "#| test a points=2\nassert 2"], "id 'a' is already used by cell 0"),
+    (["#| solution s\n### BEGIN HIDDEN TESTS\n### END HIDDEN TESTS"], "BEGIN HIDDEN TESTS belongs in"),
+])
+def test_directive_errors(sources, error):
+    with pytest.raises(build.BuildError, match="nb.ipynb, cell") as raised:
+        build.annotate(notebook(*sources), "nb.ipynb")
+    assert error in str(raised.value)
+
+
+def test_a_module_comes_from_one_notebook(repo):
+    other = repo / "solutions" / "98_other"
+    other.mkdir()
+    shutil.copy(repo / SOURCE, other / "98_other.ipynb")
+    with pytest.raises(build.BuildError, match="'fixture_ops' is exported by both solutions/98_other"):
+        build.build(repo)
+
+
+def test_a_lesson_cannot_overwrite_a_hand_written_module(repo):
+    (repo / MODULE).write_text('"""Hand-written."""\n')
+    with pytest.raises(build.BuildError, match="zero_lab/fixture_ops.py is hand-written"):
+        build.build(repo)
+
+
+def test_mine_switch_imports_the_learners_module(built_repo, tmp_path):
+    learner = build.read_notebook(built_repo / COURSE)
+    answer = cell_by_id(learner, "fixture_ops-all_sum")
+    answer.source = answer.source.replace("raise NotImplementedError()", "tensor.mul_(2)  # mine")
+    nbformat.write(learner, tmp_path / f"{LESSON}.ipynb")
+    mine = tmp_path / "mine"
+    assert build.export_mine(tmp_path / f"{LESSON}.ipynb", mine) == [mine / "fixture_ops.py"]
+
+    def python(impl, code):
+        env = dict(os.environ, ZERO_LAB_IMPL=impl, ZERO_LAB_MINE_DIR=str(mine))
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+    run = python("mine", "import inspect, zero_lab.fixture_ops as m; print(inspect.getsource(m.all_sum))")
+    assert run.returncode == 0, run.stderr
+    assert "tensor.mul_(2)  # mine" in run.stdout
+    assert f"zero_lab.fixture_ops from {mine}" in run.stderr
+    run = python("reference", "import zero_lab, sys; print('zero_lab.fixture_ops' in sys.modules)")
+    assert run.returncode == 0 and run.stderr == ""
+    run = python("theirs", "import zero_lab")
+    assert run.returncode != 0 and "ZERO_LAB_IMPL='theirs' is not one of ('reference', 'mine')" in run.stderr

@@ -1,0 +1,334 @@
+"""Lesson 03, ZeRO stage 1: N ranks train exactly like one process, with 1/N of the optimizer states."""
+
+import io
+from fractions import Fraction
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from zero_lab import CommLedger, launch
+from zero_lab.data import regression_batches, shard_batch, token_batches
+from zero_lab.memory_ledger import model_state_bytes
+from zero_lab.models import GPT, MLP, GPTConfig
+from zero_lab.prepare import prepare
+from zero_lab.zero1 import ShardLayout
+
+SIZES = [6, 9, 5]  # 113 parameters, a prime: every N > 1 pads, and shards cut through tensors
+STEPS, GLOBAL_BATCH = 10, 12  # 12 rows split evenly over 1, 2, 3 or 4 ranks
+ADAMW = dict(lr=1e-2, weight_decay=0.1)
+TINY_GPT = GPTConfig(vocab_size=29, n_layer=2, n_head=2, n_embd=8, block_size=8)
+
+
+def mlp_batches(steps=STEPS):
+    return list(regression_batches(steps, GLOBAL_BATCH, SIZES[0], SIZES[-1], seed=1))
+
+
+def mlp_loss(model, batch):
+    x, y = batch
+    return F.mse_loss(model(x.to(next(model.parameters()).dtype)).float(), y)
+
+
+def gpt_loss(model, batch):
+    return model(*batch)[1]
+
+
+def train(model, optimizer, batches, loss_fn, world_size=1, rank=0):
+    for batch in batches:
+        loss_fn(model, shard_batch(batch, rank, world_size)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def weights(model):
+    model = getattr(model, "module", model)  # DDP wraps the model
+    return {name: p.detach().float().clone() for name, p in model.named_parameters()}
+
+
+def single_process(steps=STEPS, max_grad_norm=None):
+    """The baseline: plain torch.optim.AdamW on the whole global batch."""
+    model = MLP(SIZES, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    norms = []
+    for batch in mlp_batches(steps):
+        mlp_loss(model, batch).backward()
+        if max_grad_norm is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return weights(model), norms
+
+
+def assert_close(per_rank, expected, atol=1e-6, rtol=1e-5):
+    for rank, got in enumerate(per_rank):
+        for name, value in expected.items():
+            torch.testing.assert_close(got[name], value, atol=atol, rtol=rtol, msg=lambda m: f"rank {rank}, {name}: {m}")
+
+
+def _zero1_mlp(stage=1, **options):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model, optimizer = prepare(MLP(SIZES, seed=0), torch.optim.AdamW, stage=stage, **ADAMW, **options)
+    norms = []
+    for batch in mlp_batches():
+        mlp_loss(model, shard_batch(batch, rank, world_size)).backward()
+        optimizer.step()
+        norms.append(getattr(optimizer, "last_grad_norm", None))
+        optimizer.zero_grad()
+    return weights(model), norms
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_matches_single_process_adamw(world_size):
+    expected, _ = single_process()
+    results = launch(_zero1_mlp, world_size, timeout=60)
+    assert_close([w for w, _ in results], expected)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_clipping_uses_the_global_norm(world_size):
+    expected, expected_norms = single_process(max_grad_norm=0.5)
+    assert max(expected_norms) > 0.5, "the test must actually clip"
+    results = launch(_zero1_mlp, world_size, max_grad_norm=0.5, timeout=60)
+    assert_close([w for w, _ in results], expected)
+    for _, norms in results:
+        assert [n.item() for n in norms] == pytest.approx(expected_norms, rel=1e-5)
+
+
+def test_matches_lesson02_ddp():
+    ddp = launch(_zero1_mlp, 3, stage=0, timeout=60)
+    zero1 = launch(_zero1_mlp, 3, stage=1, timeout=60)
+    assert_close([w for w, _ in zero1], ddp[0][0])
+
+
+def _tiny_param_model(world_size):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)  # 2 elements over 4 ranks: two shards are all padding
+    model, optimizer = prepare(model, torch.optim.AdamW, stage=1, lr=0.1)
+    x = shard_batch(torch.linspace(-1, 1, 8).unsqueeze(1), dist.get_rank(), world_size)
+    for _ in range(5):
+        F.mse_loss(model(x), 3 * x).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return weights(model)
+
+
+def test_world_size_larger_than_the_parameters():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    x = torch.linspace(-1, 1, 8).unsqueeze(1)
+    for _ in range(5):
+        F.mse_loss(model(x), 3 * x).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert_close(launch(_tiny_param_model, 4, 4, timeout=60), weights(model))
+
+
+def gpt_groups(model):
+    """Frozen position embedding, no weight decay (and a larger lr) for biases and LayerNorms."""
+    model.transformer.wpe.weight.requires_grad_(False)
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 3e-2}]
+
+
+def gpt_batches():
+    return list(token_batches(STEPS, GLOBAL_BATCH, TINY_GPT.block_size, TINY_GPT.vocab_size, seed=2))
+
+
+def _zero1_gpt():
+    model = GPT(TINY_GPT, seed=0)
+    model, optimizer = prepare(model, torch.optim.AdamW, stage=1, params=gpt_groups(model), lr=1e-2)
+    train(model, optimizer, gpt_batches(), gpt_loss, dist.get_world_size(), dist.get_rank())
+    tied = model.lm_head.weight is model.transformer.wte.weight
+    return weights(model), tied, model_state_bytes(model, optimizer).bytes
+
+
+def test_param_groups_frozen_and_tied_parameters():
+    model = GPT(TINY_GPT, seed=0)
+    frozen_before = model.transformer.wpe.weight.detach().clone()
+    optimizer = torch.optim.AdamW(gpt_groups(model), lr=1e-2)
+    train(model, optimizer, gpt_batches(), gpt_loss)
+    results = launch(_zero1_gpt, 3, timeout=60)
+    # atol 1e-4: the attention's key bias has a zero gradient in exact arithmetic (softmax ignores
+    # it), and Adam scales the rounding noise, which depends on the summation order, up to lr.
+    assert_close([w for w, _, _ in results], weights(model), atol=1e-4, rtol=1e-4)
+    for w, tied, memory in results:
+        assert tied, "the LM head must still share the embedding's tensor"
+        assert torch.equal(w["transformer.wpe.weight"], frozen_before), "a frozen parameter changed"
+    # Frozen parameters get no optimizer state: 8 bytes of Adam state per padded trainable element.
+    padded = sum(ShardLayout(sum(p.numel() for p in g["params"]), 3).padded_numel for g in gpt_groups(GPT(TINY_GPT)))
+    assert sum(memory["optimizer_states"] for _, _, memory in results) == 8 * padded
+
+
+def _train_with_checkpoint(path, stop_after, param_dtype):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    batches = mlp_batches()
+    model, optimizer = prepare(MLP(SIZES, seed=0), torch.optim.AdamW, stage=1, param_dtype=param_dtype, **ADAMW)
+    if stop_after is None:  # never stopping
+        train(model, optimizer, batches, mlp_loss, world_size, rank)
+        return weights(model), [g.master.clone() for g in optimizer.groups]
+    train(model, optimizer, batches[:stop_after], mlp_loss, world_size, rank)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    del model, optimizer
+    # A fresh start from other weights: everything must come from the checkpoint.
+    model, optimizer = prepare(MLP(SIZES, seed=123), torch.optim.AdamW, stage=1, param_dtype=param_dtype, **ADAMW)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    train(model, optimizer, batches[stop_after:], mlp_loss, world_size, rank)
+    return weights(model), [g.master.clone() for g in optimizer.groups]
+
+
+@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16])
+def test_resume_is_the_same_as_never_stopping(param_dtype):
+    straight = launch(_train_with_checkpoint, 3, None, None, param_dtype, timeout=60)
+    resumed = launch(_train_with_checkpoint, 3, None, 4, param_dtype, timeout=60)
+    for (w_straight, m_straight), (w_resumed, m_resumed) in zip(straight, resumed):
+        for name in w_straight:
+            assert torch.equal(w_straight[name], w_resumed[name]), name
+        for a, b in zip(m_straight, m_resumed):
+            assert torch.equal(a, b), "fp32 masters differ after resuming"
+
+
+def _consolidate_then_continue():
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    batches = mlp_batches()
+    model, optimizer = prepare(MLP(SIZES, seed=0), torch.optim.AdamW, stage=1, param_dtype=torch.bfloat16, **ADAMW)
+    train(model, optimizer, batches[:5], mlp_loss, world_size, rank)
+    full = optimizer.consolidated_state_dict(dst=0)
+    assert (full is None) == (rank != 0)
+    masters = [g.master.clone() for g in optimizer.groups]
+    return full, masters
+
+
+def test_consolidated_state_loads_into_a_single_process():
+    results = launch(_consolidate_then_continue, 3, timeout=60)
+    full = results[0][0]
+    # The fp32 weights are the concatenated masters, not the bf16 model's.
+    flat = torch.cat([m for _, masters in results for m in masters])[:sum(v.numel() for v in full["model"].values())]
+    assert torch.equal(torch.cat([v.reshape(-1) for v in full["model"].values()]), flat)
+    assert all(v.dtype == torch.float32 for v in full["model"].values())
+    # It loads into plain torch: model + AdamW, and both continue like one process that never sharded.
+    model = MLP(SIZES, seed=7)
+    model.load_state_dict(full["model"])
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    optimizer.load_state_dict(full["optimizer"])
+    reference = MLP(SIZES, seed=0)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    train(reference, reference_optimizer, mlp_batches()[:5], mlp_loss)
+    for key in ("exp_avg", "exp_avg_sq"):
+        for p, q in zip(model.parameters(), reference.parameters()):
+            # bf16 gradients: close to the fp32 run, not equal.
+            torch.testing.assert_close(optimizer.state[p][key], reference_optimizer.state[q][key], atol=2e-2, rtol=5e-2)
+    assert optimizer.state[next(model.parameters())]["step"].item() == 5
+
+
+def _memory(param_dtype):
+    model = GPT(TINY_GPT, seed=0)
+    model, optimizer = prepare(model, torch.optim.AdamW, stage=1, param_dtype=param_dtype, lr=1e-3)
+    train(model, optimizer, gpt_batches()[:1], gpt_loss, dist.get_world_size(), dist.get_rank())
+    return model_state_bytes(model, optimizer).bytes
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_memory_is_4psi_plus_12psi_over_nd(world_size):
+    psi = GPT(TINY_GPT).num_params()
+    padded = ShardLayout(psi, world_size).padded_numel
+    for memory in launch(_memory, world_size, torch.bfloat16, timeout=60):
+        assert memory == {"parameters": 2 * padded, "gradients": 2 * padded,
+                          "master_params": 4 * padded // world_size, "optimizer_states": 8 * padded // world_size}
+        assert 4 * psi + Fraction(12 * psi, world_size) <= sum(memory.values()) <= 16 * psi
+    if world_size == 2:  # fp32: no separate master copy, K = 8
+        for memory in launch(_memory, world_size, None, timeout=60):
+            assert memory["master_params"] == 0 and memory["optimizer_states"] == 8 * padded // 2
+
+
+def _bytes_per_step(stage, sizes):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model, optimizer = prepare(MLP(sizes, seed=0), torch.optim.AdamW, stage=stage, lr=1e-3)
+    x = torch.randn(4 * world_size, sizes[0])
+    for step in range(2):  # the second step is measured: no start-up traffic in it
+        with CommLedger() as ledger:
+            model(shard_batch(x, rank, world_size)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return ledger.summary(), sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_communication_is_ddp_s_two_psi(world_size):
+    sizes = [6, 10, 6]  # 136 parameters
+    ddp, psi = launch(_bytes_per_step, world_size, 0, sizes, timeout=60)[0]
+    zero1, _ = launch(_bytes_per_step, world_size, 1, sizes, timeout=60)[0]
+    padded = ShardLayout(psi, world_size).padded_numel
+    ring = Fraction(world_size - 1, world_size) * 4  # bytes a rank sends per fp32 element, per half
+    assert zero1["reduce_scatter"]["sent_bytes"] == zero1["all_gather"]["sent_bytes"] == ring * padded
+    assert set(zero1) == {"reduce_scatter", "all_gather"}
+    ddp_bytes = sum(kind["sent_bytes"] for kind in ddp.values())
+    zero1_bytes = sum(kind["sent_bytes"] for kind in zero1.values())
+    assert ddp_bytes == float(2 * ring * psi)
+    assert zero1_bytes == float(2 * ring * padded), "exactly DDP's bytes, plus the padding"
+    if psi % world_size == 0:
+        assert zero1_bytes == ddp_bytes
+
+
+def _zero_grad_styles():
+    model, optimizer = prepare(MLP(SIZES, seed=0), torch.optim.AdamW, stage=1, **ADAMW)
+    for i, batch in enumerate(mlp_batches()):
+        mlp_loss(model, shard_batch(batch, dist.get_rank(), dist.get_world_size())).backward()
+        optimizer.step()
+        (model.zero_grad if i % 2 else optimizer.zero_grad)()  # set_to_none on the model's side too
+    return weights(model)
+
+
+def test_model_zero_grad_does_not_lose_gradients():
+    assert_close(launch(_zero_grad_styles, 2, timeout=60), single_process()[0])
+
+
+def _prepare_error(**kwargs):
+    arguments = dict(model=MLP(SIZES), optimizer_class=torch.optim.AdamW, stage=1, lr=1e-3)
+    arguments.update(kwargs)
+    with pytest.raises((ValueError, TypeError, RuntimeError)) as error:
+        prepare(**arguments)
+    return str(error.value)
+
+
+def _prepare_errors():
+    return {
+        "stage 3": _prepare_error(stage=3),
+        "stage 7": _prepare_error(stage=7),
+        "LBFGS": _prepare_error(optimizer_class=torch.optim.LBFGS),
+        "instance": _prepare_error(optimizer_class=torch.optim.AdamW(MLP(SIZES).parameters())),
+        "float16": _prepare_error(param_dtype=torch.float16),
+        "float64 model": _prepare_error(model=MLP(SIZES).double()),
+        "typo": _prepare_error(learning_rate=1e-3),
+        "bucket at stage 1": _prepare_error(bucket_numel=100),
+        "clipping at stage 0": _prepare_error(stage=0, max_grad_norm=1.0),
+    }
+
+
+def test_prepare_refuses_what_it_cannot_do_and_names_the_fix():
+    with pytest.raises(RuntimeError, match="zero_lab.launch"):
+        prepare(MLP(SIZES), torch.optim.AdamW, stage=1)  # no process group here
+    errors = launch(_prepare_errors, 1, timeout=60)[0]
+    assert "fully_shard" in errors["stage 3"]
+    assert "0 = DDP" in errors["stage 7"]
+    assert "torch.optim.AdamW" in errors["LBFGS"] and "stage=0" in errors["LBFGS"]
+    assert "class" in errors["instance"]
+    assert "bfloat16" in errors["float16"]
+    assert "model.float()" in errors["float64 model"]
+    assert "learning_rate" in errors["typo"] and "'lr'" in errors["typo"]
+    assert "stage 2" in errors["bucket at stage 1"]
+    assert "stage 1" in errors["clipping at stage 0"] and "clip_grad_norm_" in errors["clipping at stage 0"]
+
+
+@pytest.mark.parametrize("numel, world_size, shard_numel", [(10, 3, 4), (12, 3, 4), (2, 4, 1), (1, 1, 1), (113, 4, 29)])
+def test_shard_layout(numel, world_size, shard_numel):
+    layout = ShardLayout(numel, world_size)
+    assert layout.shard_numel == shard_numel and layout.padded_numel == world_size * shard_numel
+    assert [layout.shard(r) for r in range(world_size)] == [(r * shard_numel, (r + 1) * shard_numel) for r in range(world_size)]
+    assert sum(layout.real_numel(r) for r in range(world_size)) == numel

@@ -1,0 +1,352 @@
+"""`zero-lab build`: lesson notebooks -> package modules, nbgrader metadata, learner edition.
+
+The cell directives are described in docs/authoring.md and the design in docs/build.md.
+`render` computes every generated file in memory (the learner edition through nbgrader in a
+temporary course); `build` writes them, `check` compares them with the files on disk.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+
+from zero_lab.implementation import REPO
+
+CONFIG_NAME = "nbgrader_config.py"
+SOURCE_DIR, COURSE_DIR, PACKAGE_DIR = "solutions", "course", "zero_lab"
+FIX = "run `zero-lab build`"
+GENERATED_PREFIX = "# Generated from "
+
+DIRECTIVE = re.compile(r"#\|\s*(\w+)\s*(.*)")
+TEST_ARGS = re.compile(r"(?P<id>[\w-]+)\s+points=(?P<points>\d+(?:\.\d+)?)")
+ID = re.compile(r"[\w-]+")
+MODULE = re.compile(r"[a-z_][a-z0-9_]*")
+FIRST_DEFINITION = re.compile(r"^(?:async\s+)?(?:def|class)\s+(\w+)", re.MULTILINE)
+# nbgrader recognises a delimiter anywhere in a line, so do we.
+SOLUTION_MARKERS = ("BEGIN SOLUTION", "END SOLUTION")
+HIDDEN_MARKERS = ("BEGIN HIDDEN TESTS", "END HIDDEN TESTS")
+# What nbgrader puts in place of a solution region: never a sign of a leak.
+STUB_LINES = {"# YOUR CODE HERE", "raise NotImplementedError()"}
+MIN_LEAK_LINE = 8  # shorter region lines ("pass", "else:") say nothing about a leak
+
+
+class BuildError(Exception):
+    """A lesson cannot be built, or (with --check) the generated files are out of date."""
+
+
+@dataclass(frozen=True)
+class Directive:
+    kind: str  # "export", "solution" or "test"
+    name: str  # the module for export, else the cell's grade id
+    points: float | None = None
+
+
+def parse_directive(source: str, where: str) -> Directive | None:
+    """The directive on the first line of a code cell, if any."""
+    first_line = source.lstrip("\n").split("\n", 1)[0].strip()
+    match = DIRECTIVE.fullmatch(first_line)
+    if not match:
+        return None
+    kind, args = match[1], match[2].strip()
+    if kind == "export" and MODULE.fullmatch(args):
+        return Directive(kind, args)
+    if kind == "solution" and ID.fullmatch(args):
+        return Directive(kind, args)
+    if kind == "test" and (test := TEST_ARGS.fullmatch(args)):
+        points = float(test["points"])
+        return Directive(kind, test["id"], int(points) if points.is_integer() else points)
+    usage = {"export": "#| export <module>", "solution": "#| solution <id>", "test": "#| test <id> points=<N>"}
+    if kind in usage:
+        raise BuildError(f"{where}: malformed directive {first_line!r}; expected {usage[kind]!r}")
+    raise BuildError(f"{where}: unknown directive {first_line!r}; known: {', '.join(usage.values())}")
+
+
+def has_region(source: str, markers: tuple[str, str]) -> bool:
+    return any(markers[0] in line for line in source.splitlines())
+
+
+def region_lines(source: str, markers: tuple[str, str]) -> list[str]:
+    """The lines between the markers (exclusive)."""
+    inside, lines = False, []
+    for line in source.splitlines():
+        if markers[0] in line:
+            inside = True
+        elif markers[1] in line:
+            inside = False
+        elif inside:
+            lines.append(line)
+    return lines
+
+
+def grading_metadata(directive: Directive | None, source: str, where: str) -> dict | None:
+    """The nbgrader metadata a cell's directive calls for (None: a plain cell)."""
+    solution_region = has_region(source, SOLUTION_MARKERS)
+    hidden_region = has_region(source, HIDDEN_MARKERS)
+    kind = directive.kind if directive else None
+    if solution_region and kind not in ("export", "solution"):
+        raise BuildError(f"{where}: a BEGIN SOLUTION region needs a `#| export <module>` or `#| solution <id>` directive")
+    if hidden_region and kind != "test":
+        raise BuildError(f"{where}: BEGIN HIDDEN TESTS belongs in a `#| test <id> points=<N>` cell")
+    if kind == "solution" and not solution_region:
+        raise BuildError(f"{where}: a `#| solution` cell needs a ### BEGIN SOLUTION ... ### END SOLUTION region")
+    base = {"schema_version": 3, "task": False}
+    if kind == "test":
+        return {**base, "grade": True, "solution": False, "locked": True,
+                "grade_id": directive.name, "points": directive.points}
+    if kind == "solution":
+        return {**base, "grade": False, "solution": True, "locked": False, "grade_id": directive.name}
+    if kind == "export" and solution_region:
+        definition = FIRST_DEFINITION.search(source)
+        if not definition:
+            raise BuildError(f"{where}: an exported solution cell needs a def or class (its grade id is <module>-<name>)")
+        grade_id = f"{directive.name}-{definition[1]}"
+        return {**base, "grade": False, "solution": True, "locked": False, "grade_id": grade_id}
+    return None
+
+
+def is_generated(module_file: Path) -> bool:
+    with open(module_file) as f:
+        return f.readline().startswith(GENERATED_PREFIX)
+
+
+def read_notebook(path: Path) -> nbformat.NotebookNode:
+    return nbformat.read(path, as_version=4)
+
+
+def notebook_text(nb: nbformat.NotebookNode) -> str:
+    """The one JSON form every notebook the build writes has."""
+    return nbformat.writes(nb).rstrip("\n") + "\n"
+
+
+def annotate(nb: nbformat.NotebookNode, where: str) -> nbformat.NotebookNode:
+    """A copy of a source notebook with nbgrader metadata from its directives, outputs cleared."""
+    nb = nbformat.from_dict(nb)
+    seen: dict[str, int] = {}
+    for index, cell in enumerate(nb.cells):
+        cell_where = f"{where}, cell {index}"
+        cell.metadata.pop("nbgrader", None)
+        cell.metadata.pop("execution", None)  # Jupyter's per-cell timestamps
+        if cell.cell_type != "code":
+            continue
+        cell.outputs, cell.execution_count = [], None
+        meta = grading_metadata(parse_directive(cell.source, cell_where), cell.source, cell_where)
+        if meta is None:
+            continue
+        grade_id = meta["grade_id"]
+        if grade_id in seen:
+            raise BuildError(f"{cell_where}: id {grade_id!r} is already used by cell {seen[grade_id]}")
+        seen[grade_id] = index
+        cell.metadata.nbgrader = meta
+    return nb
+
+
+def module_sources(nb: nbformat.NotebookNode, banner: str, where: str) -> dict[str, str]:
+    """{module: code} from the `#| export` cells, directive and solution markers removed."""
+    cells: dict[str, list[str]] = {}
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        directive = parse_directive(cell.source, f"{where}, cell {index}")
+        if directive and directive.kind == "export":
+            lines = cell.source.lstrip("\n").splitlines()[1:]
+            code = "\n".join(line for line in lines if not any(m in line for m in SOLUTION_MARKERS))
+            cells.setdefault(directive.name, []).append(code.strip("\n"))
+    return {module: f"{banner}\n\n" + "\n\n\n".join(parts) + "\n" for module, parts in cells.items()}
+
+
+def source_notebook(repo: Path, lesson: str) -> Path:
+    return repo / SOURCE_DIR / lesson / f"{lesson}.ipynb"
+
+
+def find_lessons(repo: Path, names: list[str] | None = None) -> list[str]:
+    """The lessons in solutions/ (a folder NN_name holding NN_name.ipynb), or the named ones."""
+    found = sorted(p.name for p in (repo / SOURCE_DIR).glob("*") if source_notebook(repo, p.name).is_file())
+    for name in names or []:
+        if name.rstrip("/").split("/")[-1] not in found:
+            raise BuildError(f"no lesson {name!r}: expected {SOURCE_DIR}/{name}/{name}.ipynb")
+    return [n.rstrip("/").split("/")[-1] for n in names] if names else found
+
+
+def run_nbgrader(course_root: Path, *args: str, timeout: float | None = None) -> None:
+    """Run an nbgrader command in a course folder; raise BuildError with its log on failure."""
+    env = dict(os.environ)
+    # nbgrader calls the `alembic` script of its own environment.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    result = subprocess.run(
+        [sys.executable, "-m", "nbgrader", *args], cwd=course_root, env=env,
+        capture_output=True, text=True, timeout=timeout,
+    )
+    if result.returncode != 0:
+        raise BuildError(f"`nbgrader {' '.join(args)}` failed:\n{result.stdout}{result.stderr}")
+
+
+def make_course(root: Path, repo: Path, sources: dict[str, nbformat.NotebookNode]) -> None:
+    """A throwaway nbgrader course in `root` with these annotated lesson sources."""
+    shutil.copy(REPO / CONFIG_NAME, root / CONFIG_NAME)
+    for lesson, nb in sources.items():
+        ignore = shutil.ignore_patterns(f"{lesson}.ipynb", ".ipynb_checkpoints", "__pycache__")
+        shutil.copytree(repo / SOURCE_DIR / lesson, root / SOURCE_DIR / lesson, ignore=ignore)
+        (root / SOURCE_DIR / lesson / f"{lesson}.ipynb").write_text(notebook_text(nb))
+
+
+@dataclass
+class Rendered:
+    sources: dict[str, nbformat.NotebookNode]  # lesson -> annotated source notebook
+    files: dict[str, bytes]  # repo-relative path -> content, for every generated file
+
+
+def annotated_sources(repo: Path, lessons: list[str]) -> dict[str, nbformat.NotebookNode]:
+    return {
+        lesson: annotate(read_notebook(source_notebook(repo, lesson)), f"{SOURCE_DIR}/{lesson}/{lesson}.ipynb")
+        for lesson in lessons
+    }
+
+
+def render(repo: Path, lessons: list[str]) -> Rendered:
+    sources = annotated_sources(repo, lessons)
+    files: dict[str, bytes] = {}
+    exporters: dict[str, str] = {}
+    # Every lesson, not only those being built: a module has exactly one source notebook.
+    for lesson in find_lessons(repo):
+        origin = f"{SOURCE_DIR}/{lesson}/{lesson}.ipynb"
+        nb = sources.get(lesson) or read_notebook(repo / origin)
+        banner = f"{GENERATED_PREFIX}{origin} by `zero-lab build`: edit the notebook, not this file."
+        for module, code in module_sources(nb, banner, origin).items():
+            if module in exporters:
+                raise BuildError(f"module {module!r} is exported by both {exporters[module]} and {origin}")
+            exporters[module] = origin
+            target = repo / PACKAGE_DIR / f"{module}.py"
+            if target.exists() and not is_generated(target):
+                raise BuildError(f"{origin} exports {module!r}, but {PACKAGE_DIR}/{module}.py is hand-written")
+            if lesson in sources:
+                files[f"{PACKAGE_DIR}/{module}.py"] = code.encode()
+    with tempfile.TemporaryDirectory(prefix="zero-lab-build-") as tmp:
+        root = Path(tmp)
+        make_course(root, repo, sources)
+        run_nbgrader(root, "generate_assignment", "*", "--force", "--no-db")
+        for path in sorted((root / COURSE_DIR).rglob("*")):
+            if path.is_file():
+                relative = path.relative_to(root).as_posix()
+                files[relative] = notebook_text(read_notebook(path)).encode() if path.suffix == ".ipynb" else path.read_bytes()
+    return Rendered(sources, files)
+
+
+def stale_files(repo: Path, rendered: Rendered, all_lessons: bool) -> list[Path]:
+    """Generated files no lesson produces any more (only known when building every lesson)."""
+    if not all_lessons:
+        return []
+    stale = [p for p in sorted((repo / PACKAGE_DIR).glob("*.py"))
+             if is_generated(p) and f"{PACKAGE_DIR}/{p.name}" not in rendered.files]
+    stale += [p for p in sorted((repo / COURSE_DIR).glob("*")) if p.name not in rendered.sources]
+    return stale
+
+
+def build(repo: Path = REPO, names: list[str] | None = None) -> list[str]:
+    """Write every generated file; return the repo-relative paths that changed."""
+    lessons = find_lessons(repo, names)
+    rendered = render(repo, lessons)
+    changed = []
+    for path in stale_files(repo, rendered, all_lessons=not names):
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+        changed.append(f"{path.relative_to(repo).as_posix()} (removed)")
+    for lesson, nb in rendered.sources.items():
+        rendered.files[f"{SOURCE_DIR}/{lesson}/{lesson}.ipynb"] = notebook_text(nb).encode()
+    for lesson in lessons:  # nbgrader's output replaces the whole learner folder
+        course_dir = repo / COURSE_DIR / lesson
+        for path in sorted(course_dir.rglob("*"), reverse=True) if course_dir.exists() else []:
+            if path.is_file() and path.relative_to(repo).as_posix() not in rendered.files:
+                path.unlink()
+                changed.append(f"{path.relative_to(repo).as_posix()} (removed)")
+    for relative, content in rendered.files.items():
+        path = repo / relative
+        if not path.exists() or path.read_bytes() != content:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(content)
+            changed.append(relative)
+    return changed
+
+
+def has_outputs(nb: nbformat.NotebookNode) -> bool:
+    return any(c.cell_type == "code" and (c.outputs or c.execution_count is not None) for c in nb.cells)
+
+
+def secret_lines(nb: nbformat.NotebookNode) -> set[str]:
+    """Lines of solution and hidden-test regions that appear nowhere else in the notebook."""
+    secret, public = set(), set()
+    for cell in nb.cells:
+        inside = region_lines(cell.source, SOLUTION_MARKERS) + region_lines(cell.source, HIDDEN_MARKERS)
+        secret.update(line.strip() for line in inside)
+        public.update(line.strip() for line in cell.source.splitlines() if line not in inside)
+    return {line for line in secret - public - STUB_LINES if len(line) >= MIN_LEAK_LINE}
+
+
+def leaks(repo: Path, sources: dict[str, nbformat.NotebookNode]) -> list[str]:
+    """Solution or hidden-test text that reached course/."""
+    problems = []
+    for path in sorted((repo / COURSE_DIR).rglob("*")):
+        if not path.is_file():
+            continue
+        relative = path.relative_to(repo).as_posix()
+        text = path.read_text(errors="ignore")
+        if path.suffix == ".ipynb":
+            text = "\n".join(cell.source for cell in read_notebook(path).cells)
+        for marker in SOLUTION_MARKERS + HIDDEN_MARKERS:
+            if marker in text:
+                problems.append(f"{relative}: contains {marker!r}; {FIX}")
+        lesson = path.relative_to(repo / COURSE_DIR).parts[0]
+        lines = {line.strip() for line in text.splitlines()}
+        for line in sorted(secret_lines(sources[lesson]) & lines if lesson in sources else []):
+            problems.append(f"{relative}: contains reference solution or hidden test code {line!r}; {FIX}")
+    return problems
+
+
+def check(repo: Path = REPO, names: list[str] | None = None) -> list[str]:
+    """Everything `build` would change or that must not be committed, as messages."""
+    lessons = find_lessons(repo, names)
+    rendered = render(repo, lessons)
+    problems = []
+    for lesson, expected in rendered.sources.items():
+        relative = f"{SOURCE_DIR}/{lesson}/{lesson}.ipynb"
+        on_disk = read_notebook(repo / relative)
+        if has_outputs(on_disk):
+            problems.append(f"{relative}: has outputs or execution counts; {FIX} (it clears them)")
+        for index, (cell, want) in enumerate(zip(on_disk.cells, expected.cells)):
+            if cell.metadata.get("nbgrader") != want.metadata.get("nbgrader"):
+                problems.append(f"{relative}, cell {index}: nbgrader metadata does not match its directive; {FIX}")
+    for path in sorted((repo / COURSE_DIR).rglob("*.ipynb")):
+        if has_outputs(read_notebook(path)):
+            problems.append(f"{path.relative_to(repo).as_posix()}: has outputs or execution counts; {FIX}")
+    for relative, content in rendered.files.items():
+        path = repo / relative
+        if not path.exists():
+            problems.append(f"{relative}: missing; {FIX}")
+        elif path.read_bytes() != content:
+            problems.append(f"{relative}: differs from what the notebooks give; {FIX} (edit the notebook, not this file)")
+    for lesson in lessons:
+        for path in sorted((repo / COURSE_DIR / lesson).rglob("*")):
+            if path.is_file() and path.relative_to(repo).as_posix() not in rendered.files:
+                problems.append(f"{path.relative_to(repo).as_posix()}: not generated by any lesson; {FIX}")
+    for path in stale_files(repo, rendered, all_lessons=not names):
+        problems.append(f"{path.relative_to(repo).as_posix()}: no lesson generates it any more; {FIX}")
+    return problems + leaks(repo, rendered.sources)
+
+
+def export_mine(notebook: Path, directory: Path) -> list[Path]:
+    """Write a learner notebook's `#| export` cells to `directory`/<module>.py (ZERO_LAB_IMPL=mine)."""
+    banner = f"# Exported from your {notebook.name} by `zero-lab mine`: ZERO_LAB_IMPL=mine imports it."
+    modules = module_sources(read_notebook(notebook), banner, str(notebook))
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for module, code in modules.items():
+        path = directory / f"{module}.py"
+        path.write_text(code)
+        written.append(path)
+    return written

@@ -1,0 +1,121 @@
+"""One entry point for every stage, used with the ordinary training loop:
+
+    model, optimizer = zero_lab.prepare(model, torch.optim.AdamW, stage=1, lr=3e-4)
+    for batch in my_shard_of_each_global_batch:
+        loss = compute_loss(model, batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+stage 0  DDP (lesson 02, zero_lab.ddp): everything replicated, gradients all-reduced in buckets
+stage 1  P_os (lesson 03, zero_lab.zero1): optimizer states sharded
+stage 2  P_os+g (lesson 04, zero_lab.zero2): optimizer states and gradients sharded
+
+Options besides the optimizer's own (lr, betas, weight_decay, ...):
+    params=         tensors or param-group dicts, as torch.optim takes them (default: all of the model's)
+    param_dtype=    compute dtype, torch.bfloat16 for mixed precision (fp32 masters kept)
+    max_grad_norm=  stages 1-2: clip the global gradient norm in optimizer.step()
+    bucket_numel=   stage 2: elements per gradient bucket
+Defaults keep the model's dtype. Anything else is refused with an error that names the fix.
+Call it on every rank, inside zero_lab.launch or after zero_lab.init_distributed().
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import torch
+import torch.distributed as dist
+
+MODULES = {0: "zero_lab.ddp", 1: "zero_lab.zero1", 2: "zero_lab.zero2"}
+LESSONS = {0: "02_ddp", 1: "03_zero1", 2: "04_zero2"}
+ZERO_OPTIONS = {0: {"param_dtype"}, 1: {"param_dtype", "max_grad_norm"}, 2: {"param_dtype", "max_grad_norm", "bucket_numel"}}
+PARAM_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def prepare(model: torch.nn.Module, optimizer_class: type, stage: int = 0, *, params=None, **options):
+    """Return (model, optimizer) set up for data-parallel training with the given ZeRO stage."""
+    _check_setup(model, optimizer_class, stage)
+    zero_options = {k: options.pop(k) for k in list(options) if k in ZERO_OPTIONS[stage]}
+    _check_options(optimizer_class, stage, options)
+    _check_dtypes(model, zero_options.get("param_dtype"))
+    try:
+        module = importlib.import_module(MODULES[stage])
+    except ModuleNotFoundError as missing:
+        if missing.name != MODULES[stage]:
+            raise
+        raise RuntimeError(f"stage {stage} needs {MODULES[stage]}, which does not exist yet: "
+                           f"run `zero-lab build {LESSONS[stage]}`") from None
+    param_dtype = zero_options.get("param_dtype")
+    if stage == 0:
+        model, optimizer = _prepare_ddp(module, model, optimizer_class, params, param_dtype, options)
+    else:
+        optimizer_type = module.Zero1Optimizer if stage == 1 else module.Zero2Optimizer
+        optimizer = optimizer_type(model, optimizer_class, params, **zero_options, **options)
+    if param_dtype is not None:
+        model.to(param_dtype)  # frozen parameters and buffers too; the fp32 masters were taken before
+    return model, optimizer
+
+
+def _prepare_ddp(ddp, model, optimizer_class, params, param_dtype, options):
+    model = ddp.BucketedDDP(model)  # broadcasts rank 0's weights first
+    params = ddp.trainable_parameters(model) if params is None else params
+    if param_dtype is None:
+        return model, optimizer_class(params, **options)
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        raise ValueError("stage 0 with param_dtype (lesson 02's MasterWeightOptimizer) takes one list of "
+                         "parameters, not param groups: use stage=1 for param groups with mixed precision")
+    return model, ddp.MasterWeightOptimizer(params, optimizer_class, **options)
+
+
+def _check_setup(model, optimizer_class, stage) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError("prepare needs a process group: call it inside zero_lab.launch(fn, world_size), "
+                           "or after zero_lab.init_distributed() under torchrun")
+    if stage == 3:
+        raise ValueError("stage 3 (P_os+g+p) is not built in this course: use FSDP2, "
+                         "torch.distributed.fsdp.fully_shard(model) (reshard_after_forward=True)")
+    if stage not in MODULES:
+        raise ValueError(f"stage must be one of {sorted(MODULES)} (0 = DDP, 1 = P_os, 2 = P_os+g), got {stage!r}")
+    if isinstance(optimizer_class, torch.optim.Optimizer):
+        raise TypeError("pass the optimizer class (torch.optim.AdamW), not an optimizer: "
+                        "prepare builds it, over the shards for stages 1-2")
+    shardable = importlib.import_module(MODULES[1]).SHARDABLE_OPTIMIZERS if stage > 0 else None
+    if stage > 0 and optimizer_class not in shardable:
+        names = ", ".join(f"torch.optim.{c.__name__}" for c in shardable)
+        raise ValueError(f"stage {stage} runs the optimizer on a flat shard that cuts through tensors, so its "
+                         f"update must be element-wise: use {names} (or stage=0 for {optimizer_class.__name__})")
+    devices = {p.device for p in model.parameters()}
+    if len(devices) != 1:
+        raise ValueError(f"the model's parameters are on {sorted(map(str, devices))}: move the model to one device first")
+
+
+def _check_options(optimizer_class, stage, options) -> None:
+    accepted = set(inspect.signature(optimizer_class).parameters) - {"params"}
+    unknown = sorted(set(options) - accepted)
+    if not unknown:
+        return
+    elsewhere = {k for s, names in ZERO_OPTIONS.items() if s != stage for k in names}
+    hints = [f"{k!r} needs stage {min(s for s, names in ZERO_OPTIONS.items() if k in names)} or higher"
+             for k in unknown if k in elsewhere]
+    if stage == 0 and "max_grad_norm" in unknown:
+        hints.append("with DDP every rank has the whole averaged gradient: call "
+                     "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) before optimizer.step()")
+    raise TypeError(f"unknown option(s) {unknown} for stage {stage} with {optimizer_class.__name__}"
+                    + (f" ({'; '.join(hints)})" if hints else "")
+                    + f": {optimizer_class.__name__} takes {sorted(accepted)}; "
+                    f"stage {stage} adds {sorted(ZERO_OPTIONS[stage]) or 'nothing'}")
+
+
+def _check_dtypes(model, param_dtype) -> None:
+    if param_dtype == torch.float16:
+        raise ValueError("param_dtype=torch.float16 needs loss scaling, which zero_lab does not implement: "
+                         "use torch.bfloat16")
+    if param_dtype is not None and param_dtype not in PARAM_DTYPES:
+        raise ValueError(f"param_dtype must be torch.float32 or torch.bfloat16, got {param_dtype}")
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+    if not dtypes <= set(PARAM_DTYPES) or len(dtypes) > 1:
+        raise ValueError(f"trainable parameters must all be float32 or all bfloat16, found {sorted(map(str, dtypes))}: "
+                         "convert the model with model.float() and pass param_dtype=torch.bfloat16 for mixed precision")

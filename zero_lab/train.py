@@ -1,0 +1,68 @@
+"""Train the course's small GPT with any ZeRO stage, on this machine or under torchrun.
+
+    python -m zero_lab.train --nproc 2 --stage 1            # zero_lab.launch starts 2 ranks
+    torchrun --nproc-per-node 2 -m zero_lab.train --stage 1  # torchrun starts them (any number of machines)
+
+Both run the same `train` function: it joins the process group from the environment
+(`init_distributed`), takes its shard of each global batch, and prints the loss and the
+bytes communicated on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+from zero_lab.comm_ledger import CommLedger
+from zero_lab.data import shard_batch, token_batches
+from zero_lab.launcher import init_distributed, launch
+from zero_lab.models import GPT, GPTConfig
+
+
+def train(stage: int, steps: int, global_batch: int, lr: float, seed: int = 0) -> list[float]:
+    """Train on this rank; return the global mean loss of every step."""
+    from zero_lab.prepare import prepare  # lesson 03 onwards
+
+    device = init_distributed()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    config = GPTConfig()
+    model, optimizer = prepare(GPT(config, seed=seed).to(device), torch.optim.AdamW, stage=stage, lr=lr)
+    losses = []
+    batches = token_batches(steps, global_batch, config.block_size, config.vocab_size, seed=seed)
+    with CommLedger() as ledger:
+        for tokens, targets in batches:
+            tokens, targets = (t.to(device) for t in shard_batch((tokens, targets), rank, world_size))
+            _, loss = model(tokens, targets)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            mean_loss = loss.detach().clone()
+            dist.all_reduce(mean_loss)  # for the log only: the global batch's mean loss
+            losses.append(mean_loss.item() / world_size)
+    if rank == 0:
+        print(f"stage {stage}, {world_size} ranks: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {steps} steps")
+        print(ledger.table())
+    return losses
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stage", type=int, default=1, help="ZeRO stage (0 = DDP)")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--global-batch", type=int, default=8, help="split evenly over the ranks")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--nproc", type=int, default=2, help="ranks to start when not under torchrun")
+    args = parser.parse_args(argv)
+    run = (args.stage, args.steps, args.global_batch, args.lr)
+    if "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ:  # started by torchrun
+        train(*run)
+        dist.destroy_process_group()
+    else:
+        launch(train, args.nproc, *run, timeout=600)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,313 @@
+# Generated from solutions/03_zero1/03_zero1.ipynb by `zero-lab build`: edit the notebook, not this file.
+
+"""ZeRO stage 1 (P_os): each of N ranks keeps the optimizer states of only 1/N of the parameters.
+
+ShardLayout          how a flat buffer is padded and cut into N equal, contiguous shards
+flatten_params_      one flat buffer per param group; the parameters become views into it
+reduce_scatter_mean  each rank receives the data-parallel mean of its own gradient shard
+all_gather_params    every rank receives every rank's updated shard, straight into the model
+clip_grad_norm_      global-norm clipping when each rank holds only a shard of the gradient
+Zero1Optimizer       reduce-scatter -> optimizer step on this rank's shard -> all-gather
+
+Memory per rank (ZeRO paper, section 5.1): 4 Psi + K Psi / Nd bytes with mixed precision, and
+the same 2 Psi elements of communication per step as DDP (section 7.2.1).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """A flat buffer of `numel` real elements, zero-padded at the end to split into equal shards.
+
+    Rank r owns elements shard(r) = [start, stop) of the padded buffer. Shards ignore tensor
+    boundaries, so a shard may begin or end in the middle of a parameter.
+    """
+
+    numel: int
+    world_size: int
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements per shard: the smallest size such that world_size shards cover numel."""
+        return -(-self.numel // self.world_size)  # ceiling division
+
+    @property
+    def padded_numel(self) -> int:
+        """numel rounded up to a multiple of world_size (the flat buffer's length)."""
+        return self.shard_numel * self.world_size
+
+    def shard(self, rank: int) -> tuple[int, int]:
+        """(start, stop) of `rank`'s shard in the padded buffer."""
+        start = rank * self.shard_numel
+        return start, start + self.shard_numel
+
+    def real_numel(self, rank: int) -> int:
+        """How many elements of `rank`'s shard are real parameters, not padding (may be 0)."""
+        start, stop = self.shard(rank)
+        return max(0, min(stop, self.numel) - start)
+
+
+def param_views(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views into `flat` with the shapes of `params`, laid out one after the other."""
+    views, offset = [], 0
+    for p in params:
+        views.append(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+    return views
+
+
+def flatten_params_(params: list[torch.nn.Parameter], world_size: int) -> tuple[torch.Tensor, ShardLayout]:
+    """Copy `params` into one zero-padded flat buffer and make every parameter a view into it.
+
+    With the parameters living in the buffer, one all-gather into the buffer updates the
+    whole model, and shards are plain slices of it.
+    """
+    layout = ShardLayout(sum(p.numel() for p in params), world_size)
+    flat = torch.zeros(layout.padded_numel, dtype=params[0].dtype, device=params[0].device)
+    for p, view in zip(params, param_views(flat, params)):
+        view.copy_(p.detach())
+        p.data = view
+    return flat, layout
+
+
+def reduce_scatter_mean(flat_grad: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of the gradient, summed over ranks and divided by their number.
+
+    `flat_grad` is this rank's full padded gradient buffer (length a multiple of the world
+    size); the result is a new tensor of length len(flat_grad) / world_size.
+    """
+    world_size = dist.get_world_size()
+    shard = torch.empty(flat_grad.numel() // world_size, dtype=flat_grad.dtype, device=flat_grad.device)
+    dist.reduce_scatter_single(shard, flat_grad)
+    return shard.div_(world_size)  # gloo has no AVG: sum, then divide
+
+
+def all_gather_params(flat_param: torch.Tensor, shard: torch.Tensor) -> None:
+    """Write every rank's `shard` into every rank's `flat_param`, in rank order.
+
+    `shard` may have another dtype (the fp32 master); it is cast to flat_param's dtype.
+    """
+    dist.all_gather_single(flat_param, shard.to(flat_param.dtype))
+
+
+def clip_grad_norm_(grad_shards: list[torch.Tensor], real_numels: list[int], max_norm: float) -> torch.Tensor:
+    """Scale every rank's gradient shards so that the norm of the *whole* gradient is <= max_norm.
+
+    Only the first real_numels[i] elements of grad_shards[i] are gradient; the rest is padding
+    and must not count. Returns the global norm before clipping (the same on every rank), and
+    scales like torch.nn.utils.clip_grad_norm_: by min(1, max_norm / (norm + 1e-6)).
+    """
+    squares = torch.zeros((), dtype=torch.float32, device=grad_shards[0].device)
+    for grad, real in zip(grad_shards, real_numels):
+        squares += grad[:real].float().pow(2).sum()
+    dist.all_reduce(squares)  # sum of squares over all shards = squared global norm
+    total_norm = squares.sqrt()
+    scale = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    for grad in grad_shards:
+        grad.mul_(scale)
+    return total_norm
+
+
+SHARDABLE_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)  # element-wise updates
+MASTER_DTYPE = torch.float32
+
+
+@dataclass
+class FlatGroup:
+    """One param group, flattened: the model's parameters are views into flat_param."""
+
+    params: list[torch.nn.Parameter]
+    layout: ShardLayout
+    flat_param: torch.Tensor  # padded, compute dtype, every parameter of the group
+    master: torch.Tensor  # this rank's shard in fp32: a view of flat_param when that is fp32
+    flat_grad: torch.Tensor | None  # padded, compute dtype (stage 1 keeps full gradients)
+
+
+def param_groups_of(model: torch.nn.Module, params=None) -> list[dict]:
+    """Param groups as torch.optim takes them (tensors or dicts), default all of `model`'s."""
+    params = list(model.parameters() if params is None else params)
+    return [dict(g) for g in params] if params and isinstance(params[0], dict) else [{"params": params}]
+
+
+def gather_shards(shard: torch.Tensor, dst: int) -> torch.Tensor | None:
+    """The concatenation of every rank's `shard` on rank `dst` (None elsewhere)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    parts = [torch.empty_like(shard) for _ in range(world_size)] if rank == dst else None
+    dist.gather(shard.contiguous(), parts, dst=dst)
+    return torch.cat(parts) if rank == dst else None
+
+
+class ShardedCheckpoint:
+    """Saving and loading for the ZeRO optimizers (needs .model, .groups, .optimizer, .rank, .world_size)."""
+
+    def state_dict(self) -> dict:
+        """This rank's shard of the training state: save one file per rank."""
+        return {
+            "stage": self.stage, "rank": self.rank, "world_size": self.world_size,
+            "numels": [g.layout.numel for g in self.groups],
+            "masters": [g.master.detach().clone() for g in self.groups],  # clone: not the whole flat buffer
+            "optimizer": self.optimizer.state_dict(),
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Load this rank's shard (every rank calls it); the model's weights follow the masters."""
+        numels = [g.layout.numel for g in self.groups]
+        if (state["world_size"], state["numels"]) != (self.world_size, numels):
+            raise ValueError(
+                f"this checkpoint is sharded for {state['world_size']} ranks and groups of {state['numels']} "
+                f"elements, not {self.world_size} ranks and {numels}: resume with the same world size and "
+                "param groups, or load the consolidated_state_dict() into any setup")
+        if state["rank"] != self.rank:
+            raise ValueError(f"rank {self.rank} was given rank {state['rank']}'s shard: load each rank's own file")
+        self.optimizer.load_state_dict(state["optimizer"])
+        for group, master in zip(self.groups, state["masters"]):
+            group.master.copy_(master)
+            all_gather_params(group.flat_param, group.master)
+
+    @torch.no_grad()
+    def consolidated_state_dict(self, dst: int = 0) -> dict | None:
+        """The full fp32 training state on rank `dst` (None elsewhere), like DeepSpeed's zero_to_fp32.
+
+        {"model": the model's state_dict with fp32 master weights, "optimizer": the state_dict of
+        the same torch optimizer over the unsharded trainable parameters}. Every rank must call it.
+        """
+        full_values, full_states = {}, {}
+        for group in self.groups:
+            state = self.optimizer.state[group.master]
+            shards = {"master": group.master, **{k: v for k, v in state.items() if v.dim() > 0}}
+            gathered = {key: gather_shards(shard, dst) for key, shard in shards.items()}
+            if self.rank != dst:
+                continue
+            scalars = {k: v.clone() for k, v in state.items() if v.dim() == 0}  # Adam's step count
+            for key, full in gathered.items():
+                for p, view in zip(group.params, param_views(full, group.params)):
+                    if key == "master":
+                        full_values[p] = view.clone()
+                    else:
+                        full_states.setdefault(p, dict(scalars))[key] = view.clone()
+        if self.rank != dst:
+            return None
+        model_state = {k: v.float() if v.is_floating_point() else v.clone() for k, v in self.model.state_dict().items()}
+        for name, p in self.model.named_parameters(remove_duplicate=False):  # tied weights: every name
+            if p in full_values:
+                model_state[name] = full_values[p]
+        return {"model": model_state, "optimizer": self._unsharded_optimizer_state(full_states)}
+
+    def _unsharded_optimizer_state(self, full_states: dict) -> dict:
+        # torch.optim numbers the parameters consecutively through the groups.
+        state, groups, index = {}, [], 0
+        for group, options in zip(self.groups, self.optimizer.param_groups):
+            indices = list(range(index, index + len(group.params)))
+            state.update((i, full_states[p]) for i, p in zip(indices, group.params) if p in full_states)
+            groups.append({**{k: v for k, v in options.items() if k != "params"}, "params": indices})
+            index += len(group.params)
+        return {"state": state, "param_groups": groups}
+
+
+class Zero1Optimizer(ShardedCheckpoint):
+    """ZeRO stage 1 around an element-wise torch optimizer (AdamW by default).
+
+    Every rank keeps the whole model in the compute dtype and whole gradients; only this rank's
+    shard of each flat param group has an fp32 master copy and optimizer state. The ordinary
+    loop works: `loss.backward(); optimizer.step(); optimizer.zero_grad()`.
+
+    params         tensors or param-group dicts, as for torch.optim (default: model.parameters());
+                   frozen parameters (requires_grad=False) are left out
+    param_dtype    cast the trainable parameters to this compute dtype (torch.bfloat16 for mixed
+                   precision); the fp32 masters are taken before the cast. None keeps the dtype.
+    max_grad_norm  clip the global gradient norm to this in step() (None: no clipping)
+    **defaults     the optimizer's options (lr, weight_decay, ...)
+    """
+
+    stage = 1
+
+    def __init__(self, model, optimizer_class=torch.optim.AdamW, params=None, *,
+                 param_dtype=None, max_grad_norm=None, **defaults):
+        self.model, self.max_grad_norm = model, max_grad_norm
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.groups, inner_groups = [], []
+        for index, options in enumerate(param_groups_of(model, params)):
+            trainable = [p for p in options.pop("params") if p.requires_grad]
+            if not trainable:
+                raise ValueError(f"param group {index} has no trainable parameters: leave it out")
+            group = self._flatten_group(trainable, param_dtype)
+            self.groups.append(group)
+            inner_groups.append({**options, "params": [group.master]})
+        self.optimizer = optimizer_class(inner_groups, **defaults)
+        self.last_grad_norm = None
+
+    def _flatten_group(self, params, param_dtype) -> FlatGroup:
+        flat, layout = flatten_params_(params, self.world_size)
+        dist.broadcast(flat, src=0)  # every rank starts from rank 0's weights, as in DDP
+        start, stop = layout.shard(self.rank)
+        compute_dtype = param_dtype or flat.dtype
+        # Taken before any cast, the master keeps the full fp32 weights.
+        master = flat[start:stop] if compute_dtype == MASTER_DTYPE else flat[start:stop].to(MASTER_DTYPE, copy=True)
+        if compute_dtype != flat.dtype:
+            flat = flat.to(compute_dtype)
+            for p, view in zip(params, param_views(flat, params)):
+                p.data = view
+        return FlatGroup(params, layout, flat, master, self._new_flat_grad(flat, params))
+
+    def _new_flat_grad(self, flat_param, params):
+        # .grad as views into one flat buffer: backward accumulates into them in place, so the
+        # reduce-scatter needs no copy (DeepSpeed's contiguous gradients, DDP's gradient_as_bucket_view).
+        flat_grad = torch.zeros_like(flat_param)
+        for p, view in zip(params, param_views(flat_grad, params)):
+            p.grad = view
+        return flat_grad
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The inner optimizer's groups (one fp32 shard each): change "lr" here as usual."""
+        return self.optimizer.param_groups
+
+    def reduce_gradients(self) -> list[torch.Tensor]:
+        """Each group's averaged gradient shard. Stage 1: one reduce-scatter per flat buffer."""
+        shards = []
+        for group in self.groups:
+            self._adopt_replaced_grads(group)
+            shards.append(reduce_scatter_mean(group.flat_grad))
+        return shards
+
+    @staticmethod
+    def _adopt_replaced_grads(group: FlatGroup) -> None:
+        # model.zero_grad() sets .grad to None and the next backward makes a fresh tensor:
+        # copy such gradients into the flat buffer instead of silently dropping them.
+        for p, view in zip(group.params, param_views(group.flat_grad, group.params)):
+            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad) if p.grad is not None else view.zero_()
+                p.grad = view
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group, grad_shard in zip(self.groups, self.reduce_gradients()):
+            group.master.grad = grad_shard.to(MASTER_DTYPE)
+        if self.max_grad_norm is not None:
+            self.last_grad_norm = clip_grad_norm_(
+                [g.master.grad for g in self.groups],
+                [g.layout.real_numel(self.rank) for g in self.groups], self.max_grad_norm)
+        self.optimizer.step()
+        for group in self.groups:
+            group.master.grad = None  # the fp32 gradient shard lives only during the step
+            all_gather_params(group.flat_param, group.master)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradient buffers in place; `set_to_none` is ignored (the .grad views must stay)."""
+        for group in self.groups:
+            group.flat_grad.zero_()
+
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What this rank holds, for zero_lab.memory_ledger (shared storages are counted once)."""
+        return {
+            "parameters": list(self.model.parameters()),
+            "gradients": [g.flat_grad for g in self.groups if g.flat_grad is not None],
+            "master_params": [g.master for g in self.groups],
+            "optimizer_states": [v for state in self.optimizer.state.values() for v in state.values()
+                                 if torch.is_tensor(v) and v.dim() > 0],
+        }
