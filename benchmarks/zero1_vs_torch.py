@@ -37,9 +37,9 @@ def build(name: str, model: torch.nn.Module):
         return prepare(model, torch.optim.AdamW, stage=0, lr=LR)
     if name == "ZeRO-1 (ours)":
         return prepare(model, torch.optim.AdamW, stage=1, lr=LR)
-    # broadcast_buffers=False: the causal masks never change, and their per-forward broadcast
-    # would blur the comparison of what the optimizers send.
-    ddp = DistributedDataParallel(model, broadcast_buffers=False)
+    # The causal masks never change: broadcasting them before every forward (the default) would
+    # blur the comparison of what the optimizers send.
+    ddp = DistributedDataParallel(model, forward_sync_buffers=False)
     return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
 
 

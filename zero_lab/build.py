@@ -169,10 +169,13 @@ def source_notebook(repo: Path, lesson: str) -> Path:
 def find_lessons(repo: Path, names: list[str] | None = None) -> list[str]:
     """The lessons in solutions/ (a folder NN_name holding NN_name.ipynb), or the named ones."""
     found = sorted(p.name for p in (repo / SOURCE_DIR).glob("*") if source_notebook(repo, p.name).is_file())
-    for name in names or []:
-        if name.rstrip("/").split("/")[-1] not in found:
-            raise BuildError(f"no lesson {name!r}: expected {SOURCE_DIR}/{name}/{name}.ipynb")
-    return [n.rstrip("/").split("/")[-1] for n in names] if names else found
+    if not names:
+        return found
+    lessons = [Path(name).name for name in names]  # also accepts solutions/NN_name or course/NN_name
+    for lesson in lessons:
+        if lesson not in found:
+            raise BuildError(f"no lesson {lesson!r}: expected {SOURCE_DIR}/{lesson}/{lesson}.ipynb")
+    return lessons
 
 
 def run_nbgrader(course_root: Path, *args: str, timeout: float | None = None) -> None:
@@ -245,7 +248,7 @@ def stale_files(repo: Path, rendered: Rendered, all_lessons: bool) -> list[Path]
         return []
     stale = [p for p in sorted((repo / PACKAGE_DIR).glob("*.py"))
              if is_generated(p) and f"{PACKAGE_DIR}/{p.name}" not in rendered.files]
-    stale += [p for p in sorted((repo / COURSE_DIR).glob("*")) if p.name not in rendered.sources]
+    stale += [p for p in sorted((repo / COURSE_DIR).glob("*")) if p.is_dir() and p.name not in rendered.sources]
     return stale
 
 
@@ -255,13 +258,16 @@ def build(repo: Path = REPO, names: list[str] | None = None) -> list[str]:
     rendered = render(repo, lessons)
     changed = []
     for path in stale_files(repo, rendered, all_lessons=not names):
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
         changed.append(f"{path.relative_to(repo).as_posix()} (removed)")
     for lesson, nb in rendered.sources.items():
         rendered.files[f"{SOURCE_DIR}/{lesson}/{lesson}.ipynb"] = notebook_text(nb).encode()
     for lesson in lessons:  # nbgrader's output replaces the whole learner folder
         course_dir = repo / COURSE_DIR / lesson
-        for path in sorted(course_dir.rglob("*"), reverse=True) if course_dir.exists() else []:
+        for path in sorted(course_dir.rglob("*")):
             if path.is_file() and path.relative_to(repo).as_posix() not in rendered.files:
                 path.unlink()
                 changed.append(f"{path.relative_to(repo).as_posix()} (removed)")

@@ -16,7 +16,7 @@ that reaches it. Categories are filled in this order:
                       the gradients made for a mixed-precision update, while they exist)
     master_params     tensors in optimizer.param_groups that are not model parameters
                       (e.g. fp32 copies of the parameters that a mixed-precision optimizer updates)
-    optimizer_states  tensors in optimizer.state with at least one element
+    optimizer_states  tensors in optimizer.state with at least one dimension
                       (Adam: exp_avg, exp_avg_sq)
 
 Zero-dimensional optimizer state (Adam's per-tensor `step` counter) is bookkeeping that the
