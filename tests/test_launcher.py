@@ -125,3 +125,14 @@ def test_starting_four_ranks_is_fast():
 def test_bad_world_size_is_refused():
     with pytest.raises(ValueError, match="world_size"):
         launch(_rank_and_size, 0)
+
+
+def _matmul():
+    return float((torch.ones(256, 256) @ torch.ones(256, 256)).sum())
+
+
+def test_ranks_compute_after_the_parent_used_its_thread_pool():
+    # A parent that already ran a parallel matmul used to leave forked ranks deadlocked
+    # on its OpenMP pool.
+    _matmul()
+    assert launch(_matmul, 1, timeout=20) == [256.0**3]

@@ -103,14 +103,16 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _rank_main(fn, args, kwargs, rank, world_size, port, threads, conn, stack_file, timeout):
+def _rank_main(fn, args, kwargs, rank, world_size, port, conn, stack_file, timeout):
     _die_with_parent()
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
-    torch.set_num_threads(threads)
+    # One thread per rank: an OpenMP pool the parent already used cannot be reused after
+    # fork (the first multi-threaded matmul would hang), and ranks share the cores anyway.
+    torch.set_num_threads(1)
     try:
         init_distributed(timeout=timeout)
         message = ("ok", fn(*args, **kwargs))
@@ -169,7 +171,6 @@ def launch(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, **kwarg
         )
     ctx = mp.get_context("fork")
     port = _free_port()
-    threads = max(1, (os.cpu_count() or 1) // world_size)
     procs, conns, stack_files = [], [], []
     try:
         for rank in range(world_size):
@@ -177,7 +178,7 @@ def launch(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, **kwarg
             stack_file = tempfile.TemporaryFile(mode="w+")
             proc = ctx.Process(
                 target=_rank_main,
-                args=(fn, args, kwargs, rank, world_size, port, threads, child_end, stack_file, timeout),
+                args=(fn, args, kwargs, rank, world_size, port, child_end, stack_file, timeout),
                 daemon=True,
             )
             proc.start()
