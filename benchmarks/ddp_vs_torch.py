@@ -41,7 +41,6 @@ def wrap(name: str, model: nn.Module, bucket_size_bytes: int):
 
 
 def train_side_by_side(steps: int, warmup: int, batch_size: int, bucket_size_bytes: int) -> dict:
-    torch.set_num_threads(1)  # the ranks share the machine's cores
     rank, world_size = dist.get_rank(), dist.get_world_size()
     runs = {}
     for name in VERSIONS:

@@ -90,7 +90,6 @@ def single_process(kind, batch_size=24):
 
 
 def data_parallel(kind, version, bucket_size_bytes=1024, micro_steps=1, batch_size=24, find_unused=False):
-    torch.set_num_threads(1)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = make_model(kind, rank)
     if version == "bucketed":
@@ -199,7 +198,6 @@ def test_assign_buckets_reverse_order_and_threshold():
 
 
 def side_by_side_with_torch_ddp():
-    torch.set_num_threads(1)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     ours_model, torch_model = GPT(TINY_GPT, seed=rank), GPT(TINY_GPT, seed=rank)
     ours = BucketedDDP(ours_model, bucket_size_bytes=16 * 1024)
@@ -224,7 +222,6 @@ def test_identical_to_torch_ddp_with_two_ranks():
 
 
 def mixed_precision(steps=3):
-    torch.set_num_threads(1)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = GPT(TINY_GPT, seed=0).to(torch.bfloat16)
     ddp_model = BucketedDDP(model, bucket_size_bytes=4096)
