@@ -44,7 +44,6 @@ def build(name: str, model: torch.nn.Module):
 
 
 def train_side_by_side(steps: int, warmup: int, batch_size: int, config: GPTConfig = CONFIG) -> dict:
-    torch.set_num_threads(1)  # the ranks share the machine's cores
     rank, world_size = dist.get_rank(), dist.get_world_size()
     runs = {}
     for name in VERSIONS:

@@ -1,9 +1,13 @@
 """zero-lab: build ZeRO yourself. Lessons export their modules here; see README.md."""
 
 from zero_lab import implementation
-from zero_lab.comm_ledger import CommLedger
-from zero_lab.launcher import RankFailed, RanksHung, init_distributed, launch
 
-implementation.install()  # ZERO_LAB_IMPL=mine: later lessons import the learner's own modules
+# First, so that with ZERO_LAB_IMPL=mine every later `import zero_lab.<module>` finds the
+# learner's own code.
+implementation.install()
 
-__all__ = ["CommLedger", "RankFailed", "RanksHung", "init_distributed", "launch"]
+from zero_lab.comm_ledger import CommLedger  # noqa: E402
+from zero_lab.launcher import RankFailed, RanksHung, init_distributed, launch  # noqa: E402
+from zero_lab.prepare import prepare  # noqa: E402
+
+__all__ = ["CommLedger", "RankFailed", "RanksHung", "init_distributed", "launch", "prepare"]

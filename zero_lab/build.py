@@ -183,10 +183,15 @@ def run_nbgrader(course_root: Path, *args: str, timeout: float | None = None) ->
     env = dict(os.environ)
     # nbgrader calls the `alembic` script of its own environment.
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    result = subprocess.run(
-        [sys.executable, "-m", "nbgrader", *args], cwd=course_root, env=env,
-        capture_output=True, text=True, timeout=timeout,
-    )
+    try:
+        # On timeout nbgrader is killed; its kernel notices its parent is gone and exits, and
+        # the kernel's ranks die with the kernel.
+        result = subprocess.run(
+            [sys.executable, "-m", "nbgrader", *args], cwd=course_root, env=env,
+            capture_output=True, text=True, timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        raise BuildError(f"`nbgrader {' '.join(args)}` did not finish within {timeout:g} s") from None
     if result.returncode != 0:
         raise BuildError(f"`nbgrader {' '.join(args)}` failed:\n{result.stdout}{result.stderr}")
 

@@ -67,7 +67,7 @@ def parser() -> argparse.ArgumentParser:
         description="Write the `#| export` cells of your notebook to a folder; with "
                     "ZERO_LAB_IMPL=mine, `import zero_lab.<module>` then loads them.")
     mine_parser.add_argument("path", type=Path, help="a lesson folder (course/00_collectives) or its notebook")
-    mine_parser.add_argument("--to", type=Path, default=mine_dir(),
+    mine_parser.add_argument("--to", type=Path, default=mine_dir(), metavar="DIR",
                              help="destination folder (default: $ZERO_LAB_MINE_DIR or <repo>/mine)")
     mine_parser.set_defaults(run=run_mine)
     return main_parser
