@@ -30,20 +30,22 @@ def train(stage: int, steps: int, global_batch: int, lr: float, seed: int = 0) -
     rank, world_size = dist.get_rank(), dist.get_world_size()
     config = GPTConfig()
     model, optimizer = prepare(GPT(config, seed=seed).to(device), torch.optim.AdamW, stage=stage, lr=lr)
-    losses = []
     batches = token_batches(steps, global_batch, config.block_size, config.vocab_size, seed=seed)
-    with CommLedger() as ledger:
+    rank_losses = []
+    with CommLedger() as ledger:  # counts the training's collectives only
         for tokens, targets in batches:
             tokens, targets = (t.to(device) for t in shard_batch((tokens, targets), rank, world_size))
             _, loss = model(tokens, targets)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-            mean_loss = loss.detach().clone()
-            dist.all_reduce(mean_loss)  # for the log only: the global batch's mean loss
-            losses.append(mean_loss.item() / world_size)
+            rank_losses.append(loss.detach())
+    losses = torch.stack(rank_losses)
+    dist.all_reduce(losses)  # the mean over ranks is the global batch's mean loss
+    losses = (losses / world_size).tolist()
     if rank == 0:
         print(f"stage {stage}, {world_size} ranks: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {steps} steps")
+        print(f"bytes sent per rank in {steps} steps (ring convention, docs/communication.md):")
         print(ledger.table())
     return losses
 
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stage", type=int, default=1, help="ZeRO stage (0 = DDP)")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--global-batch", type=int, default=8, help="split evenly over the ranks")
+    parser.add_argument("--global-batch", type=int, default=12, help="split evenly over the ranks")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--nproc", type=int, default=2, help="ranks to start when not under torchrun")
     args = parser.parse_args(argv)
