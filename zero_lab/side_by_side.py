@@ -1,0 +1,223 @@
+"""Our ZeRO stages next to DeepSpeed's, in the same run: losses, bytes per step, step time.
+
+Hand-written (not generated from a lesson). Used by benchmarks/deepspeed_side_by_side.py, the
+optional DeepSpeed section of lesson 03 and tests/test_deepspeed.py:
+
+    from zero_lab import side_by_side
+    if side_by_side.deepspeed_available():
+        comparison = side_by_side.compare(stages=(1,), ranks=2, steps=8)
+        print(side_by_side.table(comparison))
+
+On every rank and for every stage S, the same GPT (seed 0) is built once per version: ours with
+`zero_lab.prepare(model, torch.optim.AdamW, stage=S, ...)`, DeepSpeed's with
+`deepspeed.initialize` and ZeRO stage S. DeepSpeed gets torch's own AdamW ("torch_adam": true)
+with the same lr, betas, eps and weight decay; fp32, no gradient clipping, no loss scaling; it
+runs on the launcher's process group (backend "counted"), so `CommLedger` sees its collectives.
+All versions train on the same shards of the same global batches, one step each in turn (the
+order rotates every step, so machine noise hits all alike).
+
+DeepSpeed versions (ZeRO config options on top of DeepSpeed's defaults):
+    "DeepSpeed"             the defaults
+    "DeepSpeed, reduce"     "use_multi_rank_bucket_allreduce": false, which replaces the gradient
+                            all-reduce of the defaults by one `reduce` to each owning rank
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import zero_lab
+from zero_lab.data import shard_batch, token_batches
+from zero_lab.models import GPT, GPTConfig
+from zero_lab.prepare import prepare
+
+DEEPSPEED_VERSION = "0.19.8"
+INSTALL = f"DS_BUILD_OPS=0 pip install deepspeed=={DEEPSPEED_VERSION}   (or: DS_BUILD_OPS=0 pip install -e '.[deepspeed]')"
+OURS = "ours"
+DEEPSPEED_VERSIONS = {
+    "DeepSpeed": {},
+    "DeepSpeed, reduce": {"use_multi_rank_bucket_allreduce": False},
+}
+ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+CONFIG = GPTConfig()  # the course GPT: 28,544 parameters
+
+
+def deepspeed_available() -> bool:
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def our_stages() -> tuple[int, ...]:
+    """The stages zero_lab has built so far: 1 (lesson 03), and 2 once lesson 04 exported zero_lab.zero2."""
+    return (1, 2) if importlib.util.find_spec("zero_lab.zero2") is not None else (1,)
+
+
+def _deepspeed_engine(model, stage: int, micro_batch: int, zero_options: dict, log: io.StringIO):
+    config = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {**ADAMW, "torch_adam": True}},
+        "zero_optimization": {"stage": stage, **zero_options},
+        "gradient_clipping": 0.0,  # the default, spelled out: no clipping; no fp16/bf16 section: fp32, no loss scaling
+        "steps_per_print": 10**9,
+    }
+    with _captured(log):
+        import deepspeed
+
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                          dist_init_required=False)
+    for handler in deepspeed.utils.logger.handlers:  # made during the import: later warnings go to stdout again
+        if getattr(handler, "stream", None) is log:
+            handler.setStream(sys.stdout)
+    return engine
+
+
+@contextlib.contextmanager
+def _captured(log: io.StringIO):
+    """Python's and the process's stdout and stderr into `log`, for DeepSpeed's start-up notices
+    (its accelerator, the ops it builds) and the compiler errors of the op checks it runs on
+    import, which reach file descriptor 2 directly under Jupyter. Printed if something fails."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with tempfile.TemporaryFile(mode="w+") as file:
+        os.dup2(file.fileno(), 1)
+        os.dup2(file.fileno(), 2)
+        failed = False
+        try:
+            with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+                yield
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            file.seek(0)
+            log.write(file.read())
+            if failed:
+                sys.stderr.write(log.getvalue())
+
+
+def train_side_by_side(stages, steps: int, warmup: int, batch_size: int, config: GPTConfig = CONFIG,
+                       versions=tuple(DEEPSPEED_VERSIONS)) -> dict:
+    """Runs on every rank. runs: {(stage, version): this rank's losses, ledger summaries and median
+    step time}; deepspeed_log: what DeepSpeed printed while importing and initialising (dropped
+    from the output: its accelerator and op-build notices)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if batch_size % world_size:
+        raise ValueError(f"the global batch of {batch_size} rows must split evenly over {world_size} ranks")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    warnings.filterwarnings("ignore", message=".*is deprecated. Please use", category=FutureWarning)
+    log = io.StringIO()
+    runs = {}
+    for stage in stages:
+        model, optimizer = prepare(GPT(config, seed=0).to(device), torch.optim.AdamW, stage=stage, **ADAMW)
+        runs[stage, OURS] = dict(step=_our_step(model, optimizer))
+        for name in versions:
+            engine = _deepspeed_engine(GPT(config, seed=0).to(device), stage, batch_size // world_size,
+                                       DEEPSPEED_VERSIONS[name], log)
+            runs[stage, name] = dict(step=_deepspeed_step(engine))
+    for run in runs.values():
+        run.update(losses=[], ledgers=[], times=[])
+    names = list(runs)
+    for step, batch in enumerate(token_batches(steps, batch_size, config.block_size, config.vocab_size, seed=0)):
+        tokens, targets = (t.to(device) for t in shard_batch(batch, rank, world_size))
+        for key in names[step % len(names):] + names[:step % len(names)]:
+            run = runs[key]
+            dist.barrier()  # time the step, not the wait for the other ranks' previous one
+            start = time.perf_counter()
+            with zero_lab.CommLedger() as ledger:
+                loss = run["step"](tokens, targets)
+            run["times"].append(time.perf_counter() - start)
+            run["losses"].append(loss)
+            run["ledgers"].append(ledger.summary())
+    return dict(runs={key: dict(losses=run["losses"], ledgers=run["ledgers"],
+                                step_ms=1e3 * statistics.median(run["times"][warmup:])) for key, run in runs.items()},
+                deepspeed_log=log.getvalue())
+
+
+def _our_step(model, optimizer):
+    def step(tokens, targets):
+        _, loss = model(tokens, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.item()
+    return step
+
+
+def _deepspeed_step(engine):
+    def step(tokens, targets):
+        _, loss = engine(tokens, targets)
+        engine.backward(loss)
+        engine.step()  # DeepSpeed zeroes the gradients itself
+        return loss.item()
+    return step
+
+
+def compare(stages=None, ranks: int = 2, steps: int = 8, warmup: int = 2, repeats: int = 1, batch_size: int = 16,
+            config: GPTConfig = CONFIG, versions=tuple(DEEPSPEED_VERSIONS), timeout: float = 300) -> dict:
+    """Train side by side in `repeats` launches of `ranks` ranks (stages: default all of ours).
+
+    Returns dict(ranks, psi, steps, warmup, repeats, deepspeed_log, results), results mapping
+    (stage, version) to:
+    losses: the global batch's mean loss per step (the mean of the ranks' means; equal shards);
+    max_loss_diff: the largest |loss - our loss| over the steps (0 for ours);
+    collectives: {kind: (calls, bytes sent)} of rank 0's last step (the ledger's ring convention);
+    sent_bytes: their sum; ledger_per_step: rank 0's bytes sent at each step;
+    step_ms: the median over launches of rank 0's median step time (steps after `warmup`);
+    step_ms_all: that per launch; time_vs_ours: step_ms / our step_ms at the same stage.
+    """
+    if not deepspeed_available():
+        raise ModuleNotFoundError(f"DeepSpeed is not installed: {INSTALL}")
+    stages = our_stages() if stages is None else tuple(stages)
+    launches = [zero_lab.launch(train_side_by_side, ranks, stages, steps, warmup, batch_size, config, tuple(versions),
+                                timeout=timeout) for _ in range(repeats)]
+    results = {}
+    per_rank = [rank_result["runs"] for rank_result in launches[0]]
+    for key in per_rank[0]:
+        losses = [statistics.fmean(runs[key]["losses"][i] for runs in per_rank) for i in range(steps)]
+        last = per_rank[0][key]["ledgers"][-1]
+        times = [launch[0]["runs"][key]["step_ms"] for launch in launches]
+        results[key] = dict(
+            losses=losses,
+            collectives={kind: (t["calls"], t["sent_bytes"]) for kind, t in last.items()},
+            sent_bytes=sum(t["sent_bytes"] for t in last.values()),
+            ledger_per_step=[sum(t["sent_bytes"] for t in ledger.values()) for ledger in per_rank[0][key]["ledgers"]],
+            step_ms=statistics.median(times),
+            step_ms_all=times,
+        )
+    for (stage, name), row in results.items():
+        ours = results[stage, OURS]
+        row["max_loss_diff"] = max(abs(a - b) for a, b in zip(row["losses"], ours["losses"]))
+        row["time_vs_ours"] = row["step_ms"] / ours["step_ms"]
+    return dict(ranks=ranks, psi=GPT(config).num_params(), steps=steps, warmup=warmup, repeats=repeats,
+                deepspeed_log=launches[0][0]["deepspeed_log"], results=results)
+
+
+def table(comparison: dict) -> str:
+    """The comparison as text: one row per (stage, version)."""
+    ranks, psi, results = comparison["ranks"], comparison["psi"], comparison["results"]
+    formula = 2 * (ranks - 1) / ranks * psi * 4
+    rows = [f"GPT with psi = {psi:,} parameters, {ranks} ranks, fp32 AdamW; "
+            f"ZeRO's 2(N-1)/N * psi * 4 bytes = {formula:,.0f}",
+            f"{'stage':>5} {'version':>17} {'bytes/step':>11} {'/ formula':>9} {'step ms':>8} {'/ ours':>7} "
+            f"{'max |loss - ours|':>18}  collectives per step: calls, bytes sent"]
+    for (stage, name), row in results.items():
+        calls = ", ".join(f"{kind} x{calls} {sent:,.0f}" for kind, (calls, sent) in sorted(row["collectives"].items()))
+        rows.append(f"{stage:>5} {name:>17} {row['sent_bytes']:>11,.0f} {row['sent_bytes'] / formula:>9.3f} "
+                    f"{row['step_ms']:>8.1f} {row['time_vs_ours']:>7.2f} {row['max_loss_diff']:>18.1e}  {calls}")
+    return "\n".join(rows)
