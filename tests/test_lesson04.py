@@ -1,0 +1,304 @@
+"""Lesson 04, ZeRO stage 2: gradients reduce-scattered during backward, only the shard kept."""
+
+import io
+from fractions import Fraction
+
+import pytest
+import torch
+import torch._dynamo  # noqa: F401  torch.optim imports it on first use (seconds): once here, not in every rank
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from zero_lab import CommLedger, launch
+from zero_lab.data import regression_batches, shard_batch, token_batches
+from zero_lab.memory_ledger import model_state_bytes
+from zero_lab.models import GPT, MLP, GPTConfig
+from zero_lab.prepare import prepare
+from zero_lab.zero1 import ShardLayout
+from zero_lab.zero2 import bucket_ranges, rank_slices
+
+SIZES = [6, 9, 5]  # 113 parameters (54, 9, 45, 5), a prime: every N > 1 pads, shards cut through tensors
+STEPS, GLOBAL_BATCH = 10, 12  # 12 rows split evenly over 1, 2, 3 or 4 ranks, and 3 micro-steps on 4
+ADAMW = dict(lr=1e-2, weight_decay=0.1)
+TINY_GPT = GPTConfig(vocab_size=29, n_layer=2, n_head=2, n_embd=8, block_size=8)
+
+
+def mlp_batches(steps=STEPS):
+    return list(regression_batches(steps, GLOBAL_BATCH, SIZES[0], SIZES[-1], seed=1))
+
+
+def mlp_loss(model, batch):
+    x, y = batch
+    return F.mse_loss(model(x.to(next(model.parameters()).dtype)).float(), y)
+
+
+def gpt_loss(model, batch):
+    return model(*batch)[1]
+
+
+def train(model, optimizer, batches, loss_fn, micro_steps=1):
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    for batch in batches:
+        micro_batches = zip(*(t.chunk(micro_steps) for t in shard_batch(batch, rank, world_size)))
+        for micro_batch in micro_batches:
+            (loss_fn(model, micro_batch) / micro_steps).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def weights(model):
+    model = getattr(model, "module", model)  # DDP wraps the model
+    return {name: p.detach().float().clone() for name, p in model.named_parameters()}
+
+
+def single_process(max_grad_norm=None):
+    """The baseline: plain torch.optim.AdamW on the whole global batch."""
+    model = MLP(SIZES, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    norms = []
+    for batch in mlp_batches():
+        mlp_loss(model, batch).backward()
+        if max_grad_norm is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return weights(model), norms
+
+
+def assert_close(per_rank, expected, atol=1e-6, rtol=1e-5):
+    for rank, got in enumerate(per_rank):
+        for name, value in expected.items():
+            torch.testing.assert_close(got[name], value, atol=atol, rtol=rtol, msg=lambda m: f"rank {rank}, {name}: {m}")
+
+
+def _train_mlp(stage=2, micro_steps=1, **options):
+    model, optimizer = prepare(MLP(SIZES, seed=0), torch.optim.AdamW, stage=stage, **ADAMW, **options)
+    norms = []
+    for batch in mlp_batches():
+        train(model, optimizer, [batch], mlp_loss, micro_steps)
+        norms.append(getattr(optimizer, "last_grad_norm", None))
+    return weights(model), norms, type(optimizer).__name__
+
+
+@pytest.mark.parametrize("world_size, bucket_numel", [(1, 9), (2, 1), (3, 9), (3, 50), (4, 1000)])
+def test_matches_single_process_adamw(world_size, bucket_numel):
+    """Bucket smaller than every parameter (1), equal to a bias (9), in between (50), larger than the model."""
+    results = launch(_train_mlp, world_size, bucket_numel=bucket_numel, timeout=60)
+    assert all(kind == "Zero2Optimizer" for _, _, kind in results)
+    assert_close([w for w, _, _ in results], single_process()[0])
+
+
+@pytest.mark.parametrize("world_size, micro_steps", [(2, 3), (4, 3), (3, 2)])
+def test_accumulation_is_one_step_on_the_whole_batch(world_size, micro_steps):
+    results = launch(_train_mlp, world_size, micro_steps=micro_steps, bucket_numel=9, timeout=60)
+    assert_close([w for w, _, _ in results], single_process()[0])
+
+
+def test_matches_stage_1():
+    zero1 = launch(_train_mlp, 3, stage=1, micro_steps=2, timeout=60)
+    zero2 = launch(_train_mlp, 3, stage=2, micro_steps=2, bucket_numel=20, timeout=60)
+    assert_close([w for w, _, _ in zero2], zero1[0][0])
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_clipping_uses_the_global_norm(world_size):
+    expected, expected_norms = single_process(max_grad_norm=0.5)
+    assert max(expected_norms) > 0.5, "the test must actually clip"
+    results = launch(_train_mlp, world_size, max_grad_norm=0.5, bucket_numel=9, timeout=60)
+    assert_close([w for w, _, _ in results], expected)
+    for _, norms, _ in results:
+        assert [n.item() for n in norms] == pytest.approx(expected_norms, rel=1e-5)
+
+
+def test_bucket_ranges_tile_the_buffer_in_backward_order():
+    assert bucket_ranges([54, 9, 45, 5], 114, 10) == [(63, 114, [2, 3]), (0, 63, [0, 1])]
+    assert bucket_ranges([54, 9, 45, 5], 114, 9) == [(63, 114, [2, 3]), (54, 63, [1]), (0, 54, [0])]
+    assert bucket_ranges([54, 9, 45, 5], 114, 1000) == [(0, 114, [0, 1, 2, 3])]
+    assert rank_slices(63, 114, ShardLayout(113, 3)) == [(63, 63), (63, 76), (76, 114)]
+
+
+def gpt_groups(model):
+    """Frozen position embedding, no weight decay (and a larger lr) for biases and LayerNorms."""
+    model.transformer.wpe.weight.requires_grad_(False)
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 3e-2}]
+
+
+def gpt_batches(steps=STEPS):
+    return list(token_batches(steps, GLOBAL_BATCH, TINY_GPT.block_size, TINY_GPT.vocab_size, seed=2))
+
+
+def _zero2_gpt():
+    model = GPT(TINY_GPT, seed=0)
+    model, optimizer = prepare(model, torch.optim.AdamW, stage=2, params=gpt_groups(model), bucket_numel=64, lr=1e-2)
+    train(model, optimizer, gpt_batches(), gpt_loss)
+    tied = model.lm_head.weight is model.transformer.wte.weight
+    return weights(model), tied, model_state_bytes(model, optimizer).bytes
+
+
+def test_param_groups_frozen_and_tied_parameters():
+    model = GPT(TINY_GPT, seed=0)
+    frozen_before = model.transformer.wpe.weight.detach().clone()
+    optimizer = torch.optim.AdamW(gpt_groups(model), lr=1e-2)
+    train(model, optimizer, gpt_batches(), gpt_loss)
+    results = launch(_zero2_gpt, 3, timeout=60)
+    # atol 1e-4: the attention's key bias has a zero gradient in exact arithmetic (softmax ignores
+    # it), and Adam scales the rounding noise, which depends on the summation order, up to lr.
+    assert_close([w for w, _, _ in results], weights(model), atol=1e-4, rtol=1e-4)
+    padded = [ShardLayout(sum(p.numel() for p in g["params"]), 3).padded_numel for g in gpt_groups(GPT(TINY_GPT))]
+    for w, tied, memory in results:
+        assert tied, "the LM head must still share the embedding's tensor"
+        assert torch.equal(w["transformer.wpe.weight"], frozen_before), "a frozen parameter changed"
+        # Gradient shards and Adam states for the trainable elements only, sharded.
+        assert memory["gradients"] == 4 * sum(padded) // 3 and memory["optimizer_states"] == 8 * sum(padded) // 3
+
+
+def _partly_unused(stage):
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict(dict(used=torch.nn.Linear(4, 3), unused=torch.nn.Linear(3, 3)))
+    model, optimizer = prepare(model, torch.optim.AdamW, stage=stage, lr=0.1, **({"bucket_numel": 5} if stage == 2 else {}))
+    x = shard_batch(torch.linspace(-1, 1, 24).reshape(6, 4), dist.get_rank(), dist.get_world_size())
+    for _ in range(3):
+        model["used"](x).pow(2).mean().backward()  # the second Linear never gets a gradient
+        optimizer.step()
+        optimizer.zero_grad()
+    return weights(model)
+
+
+def test_unused_parameters_are_reduced_as_zeros_like_stage_1():
+    assert_close(launch(_partly_unused, 3, 2, timeout=60), launch(_partly_unused, 3, 1, timeout=60)[0])
+
+
+def _train_with_checkpoint(stop_after, param_dtype):
+    batches = mlp_batches()
+
+    def fresh(seed):
+        return prepare(MLP(SIZES, seed=seed), torch.optim.AdamW, stage=2, param_dtype=param_dtype,
+                       bucket_numel=20, max_grad_norm=1.0, **ADAMW)
+
+    model, optimizer = fresh(seed=0)
+    if stop_after is None:  # never stopping
+        train(model, optimizer, batches, mlp_loss)
+        return weights(model), [g.master.clone() for g in optimizer.groups], None
+    train(model, optimizer, batches[:stop_after], mlp_loss)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    model, optimizer = fresh(seed=123)  # a fresh start from other weights: all must come from the checkpoint
+    buffer.seek(0)
+    checkpoint = torch.load(buffer)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    train(model, optimizer, batches[stop_after:], mlp_loss)
+    return weights(model), [g.master.clone() for g in optimizer.groups], optimizer.consolidated_state_dict(dst=0)
+
+
+@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16])
+def test_resume_is_the_same_as_never_stopping(param_dtype):
+    straight = launch(_train_with_checkpoint, 3, None, param_dtype, timeout=60)
+    resumed = launch(_train_with_checkpoint, 3, 4, param_dtype, timeout=60)
+    for (w_straight, m_straight, _), (w_resumed, m_resumed, _) in zip(straight, resumed):
+        for name in w_straight:
+            assert torch.equal(w_straight[name], w_resumed[name]), name
+        for a, b in zip(m_straight, m_resumed):
+            assert torch.equal(a, b), "fp32 masters differ after resuming"
+    full = resumed[0][2]
+    assert all(r[2] is None for r in resumed[1:]), "consolidated on rank 0 only"
+    # The fp32 weights are the concatenated masters of the ranks, and load into plain torch.
+    masters = torch.cat([m for _, ms, _ in resumed for m in ms])
+    assert torch.equal(torch.cat([v.reshape(-1) for v in full["model"].values()]), masters[:MLP(SIZES).num_params()])
+    model = MLP(SIZES)
+    model.load_state_dict(full["model"])
+    torch.optim.AdamW(model.parameters(), **ADAMW).load_state_dict(full["optimizer"])
+
+
+def _bytes_per_step(stage, sizes, bucket_numel):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    options = {"bucket_numel": bucket_numel} if stage == 2 else {}
+    model, optimizer = prepare(MLP(sizes, seed=0), torch.optim.AdamW, stage=stage, lr=1e-3, **options)
+    x = torch.randn(4 * world_size, sizes[0])
+    for step in range(2):  # the second step is measured: no start-up traffic in it
+        with CommLedger() as ledger:
+            model(shard_batch(x, rank, world_size)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return ledger.summary(), len(getattr(optimizer, "buckets", [None]))
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_communication_is_ddp_s_two_psi(world_size):
+    sizes = [6, 10, 6]  # 136 parameters: 60, 10, 60, 6
+    psi = MLP(sizes).num_params()
+    padded = ShardLayout(psi, world_size).padded_numel
+    ring = Fraction(world_size - 1, world_size) * 4  # bytes a rank sends per fp32 element, per half
+    ddp, _ = launch(_bytes_per_step, world_size, 0, sizes, None, timeout=60)[0]
+    assert sum(kind["sent_bytes"] for kind in ddp.values()) == float(2 * ring * psi)
+    for bucket_numel, buckets in [(1, 4), (10, 3), (70, 2), (1000, 1)]:
+        zero2, count = launch(_bytes_per_step, world_size, 2, sizes, bucket_numel, timeout=60)[0]
+        assert set(zero2) == {"reduce_scatter", "all_gather"}
+        assert count == buckets and zero2["reduce_scatter"]["calls"] == buckets, "one reduce-scatter per bucket"
+        assert zero2["all_gather"]["calls"] == 1
+        assert zero2["reduce_scatter"]["sent_bytes"] == zero2["all_gather"]["sent_bytes"] == ring * padded
+        if psi % world_size == 0:
+            assert sum(kind["sent_bytes"] for kind in zero2.values()) == float(2 * ring * psi), "exactly DDP's bytes"
+
+
+def _memory(bucket_numel):
+    model = GPT(TINY_GPT, seed=0)
+    model, optimizer = prepare(model, torch.optim.AdamW, stage=2, param_dtype=torch.bfloat16, bucket_numel=bucket_numel, lr=1e-3)
+    during = []
+    for p in model.parameters():  # after the optimizer's hooks: what is left once each gradient is handled
+        p.register_post_accumulate_grad_hook(lambda _: during.append(model_state_bytes(model, optimizer).bytes["gradients"]))
+    batch = shard_batch(gpt_batches(1)[0], dist.get_rank(), dist.get_world_size())
+    gpt_loss(model, batch).backward()
+    after_backward = model_state_bytes(model, optimizer).bytes
+    leftover = [name for name, p in model.named_parameters() if p.grad is not None]
+    optimizer.step()
+    largest_bucket = max(b.stop - b.start for b in optimizer.buckets)
+    return model_state_bytes(model, optimizer).bytes, after_backward, max(during), leftover, largest_bucket
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_memory_is_2psi_plus_14psi_over_nd(world_size):
+    psi = GPT(TINY_GPT).num_params()
+    padded = ShardLayout(psi, world_size).padded_numel
+    for after_step, after_backward, peak, leftover, largest_bucket in launch(_memory, world_size, 100, timeout=60):
+        assert after_step == {"parameters": 2 * padded, "gradients": 2 * padded // world_size,
+                              "master_params": 4 * padded // world_size, "optimizer_states": 8 * padded // world_size}
+        assert sum(after_step.values()) == 2 * padded + 14 * padded // world_size
+        assert 2 * psi + Fraction(14 * psi, world_size) <= sum(after_step.values())
+        assert not leftover and after_backward["gradients"] == 2 * padded // world_size, "only the shard after backward"
+        # During backward: the shard, a bucket being filled, the staging copy and piece of the one in flight.
+        assert peak <= 2 * padded // world_size + 3 * 2 * largest_bucket
+
+
+def _gradient_memory_stage_1_vs_2(stage):
+    model = MLP([32] * 9, seed=0)  # 8 layers of 1,056 elements
+    model, optimizer = prepare(model, torch.optim.AdamW, stage=stage, lr=1e-3, **({"bucket_numel": 1000} if stage == 2 else {}))
+    during = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda _: during.append(model_state_bytes(model, optimizer).bytes["gradients"]))
+    x = shard_batch(torch.randn(12, 32), dist.get_rank(), dist.get_world_size())
+    model(x).pow(2).mean().backward()
+    return max(during)
+
+
+def test_peak_gradient_memory_is_bounded_by_the_bucket_size():
+    layer_bytes, full = 1056 * 4, 8 * 1056 * 4
+    stage1 = launch(_gradient_memory_stage_1_vs_2, 2, 1, timeout=60)
+    stage2 = launch(_gradient_memory_stage_1_vs_2, 2, 2, timeout=60)
+    assert all(peak == full for peak in stage1), "stage 1 holds the full gradient"
+    for peak in stage2:  # the shard + one layer filling + one in flight (staging + piece)
+        assert peak <= full // 2 + 3 * layer_bytes < full
+
+
+def _prepare_errors():
+    with pytest.raises(ValueError, match="bucket_numel"):
+        prepare(MLP(SIZES), torch.optim.AdamW, stage=2, bucket_numel=0, lr=1e-3)
+    with pytest.raises(TypeError, match="stage 2"):
+        prepare(MLP(SIZES), torch.optim.AdamW, stage=1, bucket_numel=10, lr=1e-3)
+    return True
+
+
+def test_prepare_checks_the_bucket_size():
+    assert launch(_prepare_errors, 1, timeout=60) == [True]
