@@ -5,7 +5,6 @@ from fractions import Fraction
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  torch.optim imports it on first use (seconds): once here, not in every rank
 import torch.distributed as dist
 import torch.nn.functional as F
 

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import importlib
 import multiprocessing as mp
 import os
 import pickle
 import re
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -74,7 +74,7 @@ def transport() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_distributed(timeout: float | None = None) -> torch.device:
+def init_distributed(timeout: float | None = None, init_method: str = "env://") -> torch.device:
     """Join the default process group from environment variables; return this rank's device.
 
     Works under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and inside
@@ -87,14 +87,9 @@ def init_distributed(timeout: float | None = None) -> torch.device:
     if not dist.is_initialized():
         backend = comm_ledger.register(transport())
         kwargs = {"timeout": timedelta(seconds=timeout)} if timeout else {}
-        dist.init_process_group(backend, init_method="env://", **kwargs)
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, **kwargs)
     return device
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _die_with_parent() -> None:
@@ -103,18 +98,20 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _rank_main(fn, args, kwargs, rank, world_size, port, conn, stack_file, timeout):
+def _rank_main(fn, args, kwargs, rank, world_size, store_file, conn, stack_file, timeout):
     _die_with_parent()
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        LOCAL_WORLD_SIZE=str(world_size),
     )
     # One thread per rank: an OpenMP pool the parent already used cannot be reused after
     # fork (the first multi-threaded matmul would hang), and ranks share the cores anyway.
     torch.set_num_threads(1)
     try:
-        init_distributed(timeout=timeout)
+        # Rendezvous through a file, not a TCP store: no rank can try to connect before the
+        # store's server listens (c10d's retry path can stall for seconds on a reverse-DNS lookup).
+        init_distributed(timeout=timeout, init_method=f"file://{store_file}")
         message = ("ok", fn(*args, **kwargs))
     except BaseException:
         message = ("error", traceback.format_exc())
@@ -161,16 +158,21 @@ def launch(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, **kwarg
     if "fork" not in mp.get_all_start_methods():
         raise RuntimeError(
             "zero_lab.launch needs the 'fork' start method, which this OS lacks (Windows). "
-            "Run the course under WSL2, or run scripts with torchrun (see README: 'Several "
-            "processes without fork')."
+            "Run the course under WSL2, or run scripts with torchrun (see the README's "
+            "Troubleshooting section)."
         )
     if torch.cuda.is_initialized():
         raise RuntimeError(
             "CUDA is already initialised in this process, so forked ranks cannot use it. "
             "Restart the kernel and call zero_lab.launch before touching CUDA in the parent."
         )
+    # Building any torch.optim optimizer imports torch._dynamo (~2 s). Importing it here, once,
+    # lets every forked rank inherit it instead of paying for it in each launch.
+    importlib.import_module("torch._dynamo")
+
     ctx = mp.get_context("fork")
-    port = _free_port()
+    store_dir = tempfile.TemporaryDirectory(prefix="zero_lab_rendezvous_")
+    store_file = os.path.join(store_dir.name, "store")
     procs, conns, stack_files = [], [], []
     try:
         for rank in range(world_size):
@@ -178,7 +180,7 @@ def launch(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, **kwarg
             stack_file = tempfile.TemporaryFile(mode="w+")
             proc = ctx.Process(
                 target=_rank_main,
-                args=(fn, args, kwargs, rank, world_size, port, child_end, stack_file, timeout),
+                args=(fn, args, kwargs, rank, world_size, store_file, child_end, stack_file, timeout),
                 daemon=True,
             )
             proc.start()
@@ -195,6 +197,7 @@ def launch(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, **kwarg
             proc.join()
         for item in conns + stack_files:
             item.close()
+        store_dir.cleanup()
 
 
 def _collect(procs, conns, stack_files, timeout):
