@@ -156,3 +156,9 @@ def test_mine_switch_imports_the_learners_module(built_repo, tmp_path):
     assert run.returncode == 0 and run.stderr == ""
     run = python("theirs", "import zero_lab")
     assert run.returncode != 0 and "ZERO_LAB_IMPL='theirs' is not one of ('reference', 'mine')" in run.stderr
+
+
+def test_the_course_as_committed_is_built():
+    # What CI checks out: notebooks, package modules and learner edition must agree, with no
+    # outputs and no solution text in course/.
+    assert build.check() == []
