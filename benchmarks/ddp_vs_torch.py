@@ -11,19 +11,18 @@ DDP, and whether the weights end up bit-identical to PyTorch DDP's (exact with 2
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import zero_lab
-from zero_lab.data import shard_batch, token_batches
+from zero_lab.data import token_batches
 from zero_lab.ddp import (BucketedDDP, all_reduce_gradients, all_reduce_gradients_flat,
                           broadcast_parameters)
 from zero_lab.models import GPT, GPTConfig
+from zero_lab.side_by_side import benchmark_parser, interleaved_steps, timing_note
 
 CONFIG = GPTConfig(vocab_size=256, n_layer=4, n_head=4, n_embd=128, block_size=64)
 VERSIONS = ("naive", "flat", "bucketed", "torch DDP")
@@ -41,48 +40,40 @@ def wrap(name: str, model: nn.Module, bucket_size_bytes: int):
 
 
 def train_side_by_side(steps: int, warmup: int, batch_size: int, bucket_size_bytes: int) -> dict:
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    runs = {}
+    models, step_fns = {}, {}
     for name in VERSIONS:
-        model = GPT(CONFIG, seed=rank)  # different per rank: the initial broadcast must fix it
+        model = GPT(CONFIG, seed=dist.get_rank())  # different per rank: the initial broadcast must fix it
         ddp_model, sync = wrap(name, model, bucket_size_bytes)
-        runs[name] = dict(model=model, ddp=ddp_model, sync=sync, times=[],
-                          optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+        models[name] = model
+        step_fns[name] = make_step(ddp_model, sync, torch.optim.AdamW(model.parameters(), lr=1e-3))
     batches = token_batches(steps, batch_size, CONFIG.block_size, CONFIG.vocab_size)
-    for step, batch in enumerate(batches):
-        tokens, targets = shard_batch(batch, rank, world_size)
-        order = VERSIONS[step % len(VERSIONS):] + VERSIONS[:step % len(VERSIONS)]
-        for name in order:
-            run = runs[name]
-            dist.barrier()  # time the step, not the wait for the other rank's previous one
-            start = time.perf_counter()
-            with zero_lab.CommLedger() as ledger:
-                run["optimizer"].zero_grad()
-                run["ddp"](tokens, targets)[1].backward()
-                run["sync"]()
-                run["optimizer"].step()
-            run["times"].append(time.perf_counter() - start)
-            run["ledger"] = ledger
-    reference = list(runs["torch DDP"]["model"].parameters())
-    return {
-        name: dict(
-            calls=run["ledger"].calls("all_reduce"),
-            all_reduce_bytes=run["ledger"].sent_bytes("all_reduce"),
-            other_bytes=run["ledger"].sent_bytes() - run["ledger"].sent_bytes("all_reduce"),
-            step_ms=1e3 * statistics.median(run["times"][warmup:]),
-            identical=all(torch.equal(a, b) for a, b in zip(run["model"].parameters(), reference)),
+    runs = interleaved_steps(step_fns, batches, warmup)
+    reference = list(models["torch DDP"].parameters())
+    results = {}
+    for name, run in runs.items():
+        ledger = run["ledgers"][-1]
+        results[name] = dict(
+            calls=ledger.calls("all_reduce"),
+            all_reduce_bytes=ledger.sent_bytes("all_reduce"),
+            other_bytes=ledger.sent_bytes() - ledger.sent_bytes("all_reduce"),
+            step_ms=run["step_ms"],
+            identical=all(torch.equal(a, b) for a, b in zip(models[name].parameters(), reference)),
         )
-        for name, run in runs.items()
-    }
+    return results
+
+
+def make_step(ddp_model: nn.Module, sync, optimizer: torch.optim.Optimizer):
+    """One training step: forward + backward + sync + AdamW."""
+    def step(tokens, targets):
+        optimizer.zero_grad()
+        ddp_model(tokens, targets)[1].backward()
+        sync()
+        optimizer.step()
+    return step
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the timing")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=16, help="global batch, split over the ranks")
+    parser = benchmark_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--bucket-mib", type=float, default=1.0)
     args = parser.parse_args()
 
@@ -106,9 +97,8 @@ def main() -> None:
         print(f"{name:>10} {row['calls']:>11} {float(row['all_reduce_bytes']):>12,.0f} "
               f"{float(row['other_bytes']):>12,.0f} {step_ms[name]:>8.1f} "
               f"{step_ms[name] / step_ms['torch DDP']:>8.2f}  {identical}")
-    print(f"step ms: median over {args.repeats} launches of the median of steps {args.warmup + 1}-{args.steps} "
-          "on rank 0; wall-clock on this machine, noisy if others are using it. Other bytes: PyTorch DDP "
-          "broadcasts buffers (the causal masks) before every forward (broadcast_buffers=True).")
+    print(timing_note(args) + " Other bytes: PyTorch DDP broadcasts buffers (the causal masks) before every "
+          "forward (broadcast_buffers=True).")
 
 
 if __name__ == "__main__":

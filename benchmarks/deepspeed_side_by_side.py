@@ -16,19 +16,13 @@ Needs DeepSpeed (`DS_BUILD_OPS=0 pip install deepspeed==0.19.8`); without it, sa
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from zero_lab import side_by_side
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing")
-    parser.add_argument("--repeats", type=int, default=2, help="launches; step times are the median over them")
-    parser.add_argument("--batch-size", type=int, default=16, help="global batch, split over the ranks")
+    parser = side_by_side.benchmark_parser(__doc__.split("\n\n")[0], warmup=2, repeats=2)
     parser.add_argument("--verbose", action="store_true", help="also print what DeepSpeed printed while starting")
     args = parser.parse_args()
     if not side_by_side.deepspeed_available():

@@ -12,19 +12,18 @@ torch's, and how far the weights end up from torch's (fp32; sums in another orde
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 import zero_lab
-from zero_lab.data import shard_batch, token_batches
+from zero_lab.data import token_batches
 from zero_lab.models import GPT, GPTConfig
 from zero_lab.prepare import prepare
+from zero_lab.side_by_side import (benchmark_parser, interleaved_steps, ledger_figures, optimizer_step,
+                                   timing_note)
 
 CONFIG = GPTConfig(vocab_size=256, n_layer=4, n_head=4, n_embd=128, block_size=64)
 VERSIONS = ("DDP (ours)", "ZeRO-1 (ours)", "torch ZeRO + DDP")
@@ -44,35 +43,19 @@ def build(name: str, model: torch.nn.Module):
 
 
 def train_side_by_side(steps: int, warmup: int, batch_size: int, config: GPTConfig = CONFIG) -> dict:
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    runs = {}
-    for name in VERSIONS:
-        model, optimizer = build(name, GPT(config, seed=0))
-        runs[name] = dict(model=model, optimizer=optimizer, times=[])
-    for step, batch in enumerate(token_batches(steps, batch_size, config.block_size, config.vocab_size)):
-        tokens, targets = shard_batch(batch, rank, world_size)
-        order = VERSIONS[step % len(VERSIONS):] + VERSIONS[:step % len(VERSIONS)]
-        for name in order:
-            run = runs[name]
-            dist.barrier()  # time the step, not the wait for the other rank's previous one
-            start = time.perf_counter()
-            with zero_lab.CommLedger() as ledger:
-                run["model"](tokens, targets)[1].backward()
-                run["optimizer"].step()
-                run["optimizer"].zero_grad()
-            run["times"].append(time.perf_counter() - start)
-            run["ledger"] = ledger.summary()
-    torch_weights = list(runs["torch ZeRO + DDP"]["model"].parameters())
-    return {
-        name: dict(
-            collectives={kind: (t["calls"], t["sent_bytes"]) for kind, t in run["ledger"].items()},
-            sent_bytes=sum(t["sent_bytes"] for t in run["ledger"].values()),
-            step_ms=1e3 * statistics.median(run["times"][warmup:]),
+    models = {name: build(name, GPT(config, seed=0)) for name in VERSIONS}
+    step_fns = {name: optimizer_step(model, optimizer) for name, (model, optimizer) in models.items()}
+    runs = interleaved_steps(step_fns, token_batches(steps, batch_size, config.block_size, config.vocab_size), warmup)
+    torch_weights = list(models["torch ZeRO + DDP"][0].parameters())
+    results = {}
+    for name, run in runs.items():
+        results[name] = dict(
+            **ledger_figures(run["ledgers"][-1].summary()),
+            step_ms=run["step_ms"],
             max_diff_to_torch=max((a.detach() - b.detach()).abs().max().item()
-                                  for a, b in zip(run["model"].parameters(), torch_weights)),
+                                  for a, b in zip(models[name][0].parameters(), torch_weights)),
         )
-        for name, run in runs.items()
-    }
+    return results
 
 
 def compare(ranks: int = 2, steps: int = 12, warmup: int = 3, repeats: int = 3, batch_size: int = 16,
@@ -98,18 +81,10 @@ def table(results: dict, psi: int, ranks: int) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the timing")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=16, help="global batch, split over the ranks")
-    args = parser.parse_args()
+    args = benchmark_parser(__doc__.split("\n\n")[0]).parse_args()
     results = compare(args.ranks, args.steps, args.warmup, args.repeats, args.batch_size)
     print(table(results, GPT(CONFIG).num_params(), args.ranks))
-    print(f"step ms: median over {args.repeats} launches of the median of steps {args.warmup + 1}-{args.steps} "
-          "on rank 0; wall-clock on this machine, noisy if others are using it. Per launch: "
-          + "; ".join(f"{name} {', '.join(f'{t:.1f}' for t in row['step_ms_all'])}" for name, row in results.items()))
+    print(timing_note(args, {name: row["step_ms_all"] for name, row in results.items()}))
 
 
 if __name__ == "__main__":

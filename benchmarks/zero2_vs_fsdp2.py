@@ -13,9 +13,7 @@ rank sends per step (comm ledger, ring convention), the median step time (forwar
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -23,9 +21,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import zero_lab
-from zero_lab.data import shard_batch, token_batches
+from zero_lab.data import token_batches
 from zero_lab.models import GPT, GPTConfig
 from zero_lab.prepare import prepare
+from zero_lab.side_by_side import (benchmark_parser, interleaved_steps, ledger_figures, optimizer_step,
+                                   timing_note)
 
 CONFIG = GPTConfig(vocab_size=256, n_layer=4, n_head=4, n_embd=128, block_size=64)
 VERSIONS = ("ZeRO-2 (ours)", "FSDP2 (ZeRO-2 mode)")
@@ -57,34 +57,17 @@ def max_weight_diff(ours: torch.nn.Module, fsdp2: torch.nn.Module) -> float:
 
 def train_side_by_side(steps: int, warmup: int, batch_size: int, config: GPTConfig = CONFIG,
                        bucket_numel: int = BUCKET_NUMEL) -> dict:
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    runs = {}
-    for name in VERSIONS:
-        model, optimizer = build(name, GPT(config, seed=0), bucket_numel)
-        runs[name] = dict(model=model, optimizer=optimizer, times=[], losses=[])
-    for step, batch in enumerate(token_batches(steps, batch_size, config.block_size, config.vocab_size)):
-        tokens, targets = shard_batch(batch, rank, world_size)
-        for name in VERSIONS[step % 2:] + VERSIONS[:step % 2]:
-            run = runs[name]
-            dist.barrier()  # time the step, not the wait for the other rank's previous one
-            start = time.perf_counter()
-            with zero_lab.CommLedger() as ledger:
-                loss = run["model"](tokens, targets)[1]
-                loss.backward()
-                run["optimizer"].step()
-                run["optimizer"].zero_grad()
-            run["times"].append(time.perf_counter() - start)
-            run["losses"].append(loss.item())
-            run["ledger"] = ledger.summary()
-    return {
-        "max_weight_diff": max_weight_diff(*(runs[name]["model"] for name in VERSIONS)),
-        **{name: dict(
-            collectives={kind: (t["calls"], t["sent_bytes"]) for kind, t in run["ledger"].items()},
-            sent_bytes=sum(t["sent_bytes"] for t in run["ledger"].values()),
-            step_ms=1e3 * statistics.median(run["times"][warmup:]),
+    models = {name: build(name, GPT(config, seed=0), bucket_numel) for name in VERSIONS}
+    step_fns = {name: optimizer_step(model, optimizer) for name, (model, optimizer) in models.items()}
+    runs = interleaved_steps(step_fns, token_batches(steps, batch_size, config.block_size, config.vocab_size), warmup)
+    result = {"max_weight_diff": max_weight_diff(*(models[name][0] for name in VERSIONS))}
+    for name, run in runs.items():
+        result[name] = dict(
+            **ledger_figures(run["ledgers"][-1].summary()),
+            step_ms=run["step_ms"],
             losses=run["losses"],
-        ) for name, run in runs.items()},
-    }
+        )
+    return result
 
 
 def compare(ranks: int = 2, steps: int = 12, warmup: int = 3, repeats: int = 3, batch_size: int = 16,
@@ -115,19 +98,12 @@ def table(result: dict, psi: int, ranks: int) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the timing")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=16, help="global batch, split over the ranks")
+    parser = benchmark_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--bucket-numel", type=int, default=BUCKET_NUMEL, help="our stage 2's bucket size (elements)")
     args = parser.parse_args()
     result = compare(args.ranks, args.steps, args.warmup, args.repeats, args.batch_size, bucket_numel=args.bucket_numel)
     print(table(result, GPT(CONFIG).num_params(), args.ranks))
-    print(f"step ms: median over {args.repeats} launches of the median of steps {args.warmup + 1}-{args.steps} "
-          "on rank 0; wall-clock on this machine, noisy if others are using it. Per launch: "
-          + "; ".join(f"{name} {', '.join(f'{t:.1f}' for t in result[name]['step_ms_all'])}" for name in VERSIONS))
+    print(timing_note(args, {name: result[name]["step_ms_all"] for name in VERSIONS}))
 
 
 if __name__ == "__main__":

@@ -8,63 +8,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from zero_lab import CommLedger, launch
-from zero_lab.data import regression_batches, shard_batch, token_batches
+from sharded_training import (ADAMW, SIZES, TINY_GPT, assert_close, bytes_per_step, gpt_batches, gpt_groups,
+                              gpt_loss, gpt_with_groups, gpt_with_groups_single_process, mlp_batches, mlp_loss,
+                              single_process, train, weights)
+from zero_lab import launch
+from zero_lab.data import shard_batch
 from zero_lab.memory_ledger import model_state_bytes
-from zero_lab.models import GPT, MLP, GPTConfig
+from zero_lab.models import GPT, MLP
 from zero_lab.prepare import prepare
 from zero_lab.zero1 import ShardLayout
-
-SIZES = [6, 9, 5]  # 113 parameters, a prime: every N > 1 pads, and shards cut through tensors
-STEPS, GLOBAL_BATCH = 10, 12  # 12 rows split evenly over 1, 2, 3 or 4 ranks
-ADAMW = dict(lr=1e-2, weight_decay=0.1)
-TINY_GPT = GPTConfig(vocab_size=29, n_layer=2, n_head=2, n_embd=8, block_size=8)
-
-
-def mlp_batches(steps=STEPS):
-    return list(regression_batches(steps, GLOBAL_BATCH, SIZES[0], SIZES[-1], seed=1))
-
-
-def mlp_loss(model, batch):
-    x, y = batch
-    return F.mse_loss(model(x.to(next(model.parameters()).dtype)).float(), y)
-
-
-def gpt_loss(model, batch):
-    return model(*batch)[1]
-
-
-def train(model, optimizer, batches, loss_fn, world_size=1, rank=0):
-    for batch in batches:
-        loss_fn(model, shard_batch(batch, rank, world_size)).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-
-def weights(model):
-    model = getattr(model, "module", model)  # DDP wraps the model
-    return {name: p.detach().float().clone() for name, p in model.named_parameters()}
-
-
-def single_process(steps=STEPS, max_grad_norm=None):
-    """The baseline: plain torch.optim.AdamW on the whole global batch."""
-    model = MLP(SIZES, seed=0)
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
-    norms = []
-    for batch in mlp_batches(steps):
-        mlp_loss(model, batch).backward()
-        if max_grad_norm is not None:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item())
-        optimizer.step()
-        optimizer.zero_grad()
-    return weights(model), norms
-
-
-def assert_close(per_rank, expected, atol=1e-6, rtol=1e-5):
-    for rank, got in enumerate(per_rank):
-        for name, value in expected.items():
-            torch.testing.assert_close(got[name], value, atol=atol, rtol=rtol, msg=lambda m: f"rank {rank}, {name}: {m}")
-
 
 def _zero1_mlp(stage=1, **options):
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -125,35 +77,12 @@ def test_world_size_larger_than_the_parameters():
     assert_close(launch(_tiny_param_model, 4, 4, timeout=60), weights(model))
 
 
-def gpt_groups(model):
-    """Frozen position embedding, no weight decay (and a larger lr) for biases and LayerNorms."""
-    model.transformer.wpe.weight.requires_grad_(False)
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 3e-2}]
-
-
-def gpt_batches():
-    return list(token_batches(STEPS, GLOBAL_BATCH, TINY_GPT.block_size, TINY_GPT.vocab_size, seed=2))
-
-
-def _zero1_gpt():
-    model = GPT(TINY_GPT, seed=0)
-    model, optimizer = prepare(model, torch.optim.AdamW, stage=1, params=gpt_groups(model), lr=1e-2)
-    train(model, optimizer, gpt_batches(), gpt_loss, dist.get_world_size(), dist.get_rank())
-    tied = model.lm_head.weight is model.transformer.wte.weight
-    return weights(model), tied, model_state_bytes(model, optimizer).bytes
-
-
 def test_param_groups_frozen_and_tied_parameters():
-    model = GPT(TINY_GPT, seed=0)
-    frozen_before = model.transformer.wpe.weight.detach().clone()
-    optimizer = torch.optim.AdamW(gpt_groups(model), lr=1e-2)
-    train(model, optimizer, gpt_batches(), gpt_loss)
-    results = launch(_zero1_gpt, 3, timeout=60)
+    expected, frozen_before = gpt_with_groups_single_process()
+    results = launch(gpt_with_groups, 3, 1, timeout=60)
     # atol 1e-4: the attention's key bias has a zero gradient in exact arithmetic (softmax ignores
     # it), and Adam scales the rounding noise, which depends on the summation order, up to lr.
-    assert_close([w for w, _, _ in results], weights(model), atol=1e-4, rtol=1e-4)
+    assert_close([w for w, _, _ in results], expected, atol=1e-4, rtol=1e-4)
     for w, tied, memory in results:
         assert tied, "the LM head must still share the embedding's tensor"
         assert torch.equal(w["transformer.wpe.weight"], frozen_before), "a frozen parameter changed"
@@ -163,13 +92,12 @@ def test_param_groups_frozen_and_tied_parameters():
 
 
 def _train_with_checkpoint(path, stop_after, param_dtype):
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     batches = mlp_batches()
     model, optimizer = prepare(MLP(SIZES, seed=0), torch.optim.AdamW, stage=1, param_dtype=param_dtype, **ADAMW)
     if stop_after is None:  # never stopping
-        train(model, optimizer, batches, mlp_loss, world_size, rank)
+        train(model, optimizer, batches, mlp_loss)
         return weights(model), [g.master.clone() for g in optimizer.groups]
-    train(model, optimizer, batches[:stop_after], mlp_loss, world_size, rank)
+    train(model, optimizer, batches[:stop_after], mlp_loss)
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
     del model, optimizer
@@ -179,7 +107,7 @@ def _train_with_checkpoint(path, stop_after, param_dtype):
     checkpoint = torch.load(buffer)
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
-    train(model, optimizer, batches[stop_after:], mlp_loss, world_size, rank)
+    train(model, optimizer, batches[stop_after:], mlp_loss)
     return weights(model), [g.master.clone() for g in optimizer.groups]
 
 
@@ -198,7 +126,7 @@ def _consolidate_then_continue():
     rank, world_size = dist.get_rank(), dist.get_world_size()
     batches = mlp_batches()
     model, optimizer = prepare(MLP(SIZES, seed=0), torch.optim.AdamW, stage=1, param_dtype=torch.bfloat16, **ADAMW)
-    train(model, optimizer, batches[:5], mlp_loss, world_size, rank)
+    train(model, optimizer, batches[:5], mlp_loss)
     full = optimizer.consolidated_state_dict(dst=0)
     assert (full is None) == (rank != 0)
     masters = [g.master.clone() for g in optimizer.groups]
@@ -230,7 +158,7 @@ def test_consolidated_state_loads_into_a_single_process():
 def _memory(param_dtype):
     model = GPT(TINY_GPT, seed=0)
     model, optimizer = prepare(model, torch.optim.AdamW, stage=1, param_dtype=param_dtype, lr=1e-3)
-    train(model, optimizer, gpt_batches()[:1], gpt_loss, dist.get_world_size(), dist.get_rank())
+    train(model, optimizer, gpt_batches()[:1], gpt_loss)
     return model_state_bytes(model, optimizer).bytes
 
 
@@ -247,23 +175,11 @@ def test_memory_is_4psi_plus_12psi_over_nd(world_size):
             assert memory["master_params"] == 0 and memory["optimizer_states"] == 8 * padded // 2
 
 
-def _bytes_per_step(stage, sizes):
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    model, optimizer = prepare(MLP(sizes, seed=0), torch.optim.AdamW, stage=stage, lr=1e-3)
-    x = torch.randn(4 * world_size, sizes[0])
-    for step in range(2):  # the second step is measured: no start-up traffic in it
-        with CommLedger() as ledger:
-            model(shard_batch(x, rank, world_size)).pow(2).mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    return ledger.summary(), sum(p.numel() for p in model.parameters())
-
-
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_communication_is_ddp_s_two_psi(world_size):
     sizes = [6, 10, 6]  # 136 parameters
-    ddp, psi = launch(_bytes_per_step, world_size, 0, sizes, timeout=60)[0]
-    zero1, _ = launch(_bytes_per_step, world_size, 1, sizes, timeout=60)[0]
+    ddp, psi, _ = launch(bytes_per_step, world_size, 0, sizes, timeout=60)[0]
+    zero1, _, _ = launch(bytes_per_step, world_size, 1, sizes, timeout=60)[0]
     padded = ShardLayout(psi, world_size).padded_numel
     ring = Fraction(world_size - 1, world_size) * 4  # bytes a rank sends per fp32 element, per half
     assert zero1["reduce_scatter"]["sent_bytes"] == zero1["all_gather"]["sent_bytes"] == ring * padded

@@ -6,69 +6,17 @@ from fractions import Fraction
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from zero_lab import CommLedger, launch
-from zero_lab.data import regression_batches, shard_batch, token_batches
+from sharded_training import (ADAMW, SIZES, TINY_GPT, assert_close, bytes_per_step, gpt_batches, gpt_groups,
+                              gpt_loss, gpt_with_groups, gpt_with_groups_single_process, mlp_batches, mlp_loss,
+                              single_process, train, weights)
+from zero_lab import launch
+from zero_lab.data import shard_batch
 from zero_lab.memory_ledger import model_state_bytes
-from zero_lab.models import GPT, MLP, GPTConfig
+from zero_lab.models import GPT, MLP
 from zero_lab.prepare import prepare
 from zero_lab.zero1 import ShardLayout
 from zero_lab.zero2 import bucket_ranges, rank_slices
-
-SIZES = [6, 9, 5]  # 113 parameters (54, 9, 45, 5), a prime: every N > 1 pads, shards cut through tensors
-STEPS, GLOBAL_BATCH = 10, 12  # 12 rows split evenly over 1, 2, 3 or 4 ranks, and 3 micro-steps on 4
-ADAMW = dict(lr=1e-2, weight_decay=0.1)
-TINY_GPT = GPTConfig(vocab_size=29, n_layer=2, n_head=2, n_embd=8, block_size=8)
-
-
-def mlp_batches(steps=STEPS):
-    return list(regression_batches(steps, GLOBAL_BATCH, SIZES[0], SIZES[-1], seed=1))
-
-
-def mlp_loss(model, batch):
-    x, y = batch
-    return F.mse_loss(model(x.to(next(model.parameters()).dtype)).float(), y)
-
-
-def gpt_loss(model, batch):
-    return model(*batch)[1]
-
-
-def train(model, optimizer, batches, loss_fn, micro_steps=1):
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    for batch in batches:
-        micro_batches = zip(*(t.chunk(micro_steps) for t in shard_batch(batch, rank, world_size)))
-        for micro_batch in micro_batches:
-            (loss_fn(model, micro_batch) / micro_steps).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-
-def weights(model):
-    model = getattr(model, "module", model)  # DDP wraps the model
-    return {name: p.detach().float().clone() for name, p in model.named_parameters()}
-
-
-def single_process(max_grad_norm=None):
-    """The baseline: plain torch.optim.AdamW on the whole global batch."""
-    model = MLP(SIZES, seed=0)
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
-    norms = []
-    for batch in mlp_batches():
-        mlp_loss(model, batch).backward()
-        if max_grad_norm is not None:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item())
-        optimizer.step()
-        optimizer.zero_grad()
-    return weights(model), norms
-
-
-def assert_close(per_rank, expected, atol=1e-6, rtol=1e-5):
-    for rank, got in enumerate(per_rank):
-        for name, value in expected.items():
-            torch.testing.assert_close(got[name], value, atol=atol, rtol=rtol, msg=lambda m: f"rank {rank}, {name}: {m}")
-
 
 def _train_mlp(stage=2, micro_steps=1, **options):
     model, optimizer = prepare(MLP(SIZES, seed=0), torch.optim.AdamW, stage=stage, **ADAMW, **options)
@@ -116,35 +64,12 @@ def test_bucket_ranges_tile_the_buffer_in_backward_order():
     assert rank_slices(63, 114, ShardLayout(113, 3)) == [(63, 63), (63, 76), (76, 114)]
 
 
-def gpt_groups(model):
-    """Frozen position embedding, no weight decay (and a larger lr) for biases and LayerNorms."""
-    model.transformer.wpe.weight.requires_grad_(False)
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 3e-2}]
-
-
-def gpt_batches(steps=STEPS):
-    return list(token_batches(steps, GLOBAL_BATCH, TINY_GPT.block_size, TINY_GPT.vocab_size, seed=2))
-
-
-def _zero2_gpt():
-    model = GPT(TINY_GPT, seed=0)
-    model, optimizer = prepare(model, torch.optim.AdamW, stage=2, params=gpt_groups(model), bucket_numel=64, lr=1e-2)
-    train(model, optimizer, gpt_batches(), gpt_loss)
-    tied = model.lm_head.weight is model.transformer.wte.weight
-    return weights(model), tied, model_state_bytes(model, optimizer).bytes
-
-
 def test_param_groups_frozen_and_tied_parameters():
-    model = GPT(TINY_GPT, seed=0)
-    frozen_before = model.transformer.wpe.weight.detach().clone()
-    optimizer = torch.optim.AdamW(gpt_groups(model), lr=1e-2)
-    train(model, optimizer, gpt_batches(), gpt_loss)
-    results = launch(_zero2_gpt, 3, timeout=60)
+    expected, frozen_before = gpt_with_groups_single_process()
+    results = launch(gpt_with_groups, 3, 2, bucket_numel=64, timeout=60)
     # atol 1e-4: the attention's key bias has a zero gradient in exact arithmetic (softmax ignores
     # it), and Adam scales the rounding noise, which depends on the summation order, up to lr.
-    assert_close([w for w, _, _ in results], weights(model), atol=1e-4, rtol=1e-4)
+    assert_close([w for w, _, _ in results], expected, atol=1e-4, rtol=1e-4)
     padded = [ShardLayout(sum(p.numel() for p in g["params"]), 3).padded_numel for g in gpt_groups(GPT(TINY_GPT))]
     for w, tied, memory in results:
         assert tied, "the LM head must still share the embedding's tensor"
@@ -211,29 +136,16 @@ def test_resume_is_the_same_as_never_stopping(param_dtype):
     torch.optim.AdamW(model.parameters(), **ADAMW).load_state_dict(full["optimizer"])
 
 
-def _bytes_per_step(stage, sizes, bucket_numel):
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    options = {"bucket_numel": bucket_numel} if stage == 2 else {}
-    model, optimizer = prepare(MLP(sizes, seed=0), torch.optim.AdamW, stage=stage, lr=1e-3, **options)
-    x = torch.randn(4 * world_size, sizes[0])
-    for step in range(2):  # the second step is measured: no start-up traffic in it
-        with CommLedger() as ledger:
-            model(shard_batch(x, rank, world_size)).pow(2).mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    return ledger.summary(), len(getattr(optimizer, "buckets", [None]))
-
-
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_communication_is_ddp_s_two_psi(world_size):
     sizes = [6, 10, 6]  # 136 parameters: 60, 10, 60, 6
     psi = MLP(sizes).num_params()
     padded = ShardLayout(psi, world_size).padded_numel
     ring = Fraction(world_size - 1, world_size) * 4  # bytes a rank sends per fp32 element, per half
-    ddp, _ = launch(_bytes_per_step, world_size, 0, sizes, None, timeout=60)[0]
+    ddp, _, _ = launch(bytes_per_step, world_size, 0, sizes, None, timeout=60)[0]
     assert sum(kind["sent_bytes"] for kind in ddp.values()) == float(2 * ring * psi)
     for bucket_numel, buckets in [(1, 4), (10, 3), (70, 2), (1000, 1)]:
-        zero2, count = launch(_bytes_per_step, world_size, 2, sizes, bucket_numel, timeout=60)[0]
+        zero2, _, count = launch(bytes_per_step, world_size, 2, sizes, bucket_numel, timeout=60)[0]
         assert set(zero2) == {"reduce_scatter", "all_gather"}
         assert count == buckets and zero2["reduce_scatter"]["calls"] == buckets, "one reduce-scatter per bucket"
         assert zero2["all_gather"]["calls"] == 1

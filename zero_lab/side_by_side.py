@@ -16,6 +16,11 @@ runs on the launcher's process group (backend "counted"), so `CommLedger` sees i
 All versions train on the same shards of the same global batches, one step each in turn (the
 order rotates every step, so machine noise hits all alike).
 
+The measuring loop itself (`interleaved_steps`, with `optimizer_step` and `ledger_figures`)
+and the scripts' command-line options and timing note (`benchmark_parser`, `timing_note`) are
+shared with benchmarks/ddp_vs_torch.py, benchmarks/zero1_vs_torch.py and
+benchmarks/zero2_vs_fsdp2.py (which lessons 03 and 04 load).
+
 DeepSpeed versions (ZeRO config options on top of DeepSpeed's defaults):
     "DeepSpeed"             the defaults
     "DeepSpeed, reduce"     "use_multi_rank_bucket_allreduce": false, which replaces the gradient
@@ -24,6 +29,7 @@ DeepSpeed versions (ZeRO config options on top of DeepSpeed's defaults):
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib.util
 import io
@@ -122,40 +128,95 @@ def train_side_by_side(stages, steps: int, warmup: int, batch_size: int, config:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     warnings.filterwarnings("ignore", message=".*is deprecated. Please use", category=FutureWarning)
     log = io.StringIO()
-    runs = {}
+    step_fns = {}
     for stage in stages:
         model, optimizer = prepare(GPT(config, seed=0).to(device), torch.optim.AdamW, stage=stage, **ADAMW)
-        runs[stage, OURS] = dict(step=_our_step(model, optimizer))
+        step_fns[stage, OURS] = optimizer_step(model, optimizer)
         for name in versions:
             engine = _deepspeed_engine(GPT(config, seed=0).to(device), stage, batch_size // world_size,
                                        DEEPSPEED_VERSIONS[name], log)
-            runs[stage, name] = dict(step=_deepspeed_step(engine))
-    for run in runs.values():
-        run.update(losses=[], ledgers=[], times=[])
-    names = list(runs)
-    for step, batch in enumerate(token_batches(steps, batch_size, config.block_size, config.vocab_size, seed=0)):
-        tokens, targets = (t.to(device) for t in shard_batch(batch, rank, world_size))
-        for key in names[step % len(names):] + names[:step % len(names)]:
-            run = runs[key]
-            dist.barrier()  # time the step, not the wait for the other ranks' previous one
-            start = time.perf_counter()
-            with zero_lab.CommLedger() as ledger:
-                loss = run["step"](tokens, targets)
-            run["times"].append(time.perf_counter() - start)
-            run["losses"].append(loss)
-            run["ledgers"].append(ledger.summary())
-    return dict(runs={key: dict(losses=run["losses"], ledgers=run["ledgers"],
-                                step_ms=1e3 * statistics.median(run["times"][warmup:])) for key, run in runs.items()},
+            step_fns[stage, name] = _deepspeed_step(engine)
+    batches = token_batches(steps, batch_size, config.block_size, config.vocab_size, seed=0)
+    runs = interleaved_steps(step_fns, batches, warmup, device)
+    return dict(runs={key: dict(losses=run["losses"], ledgers=[ledger.summary() for ledger in run["ledgers"]],
+                                step_ms=run["step_ms"]) for key, run in runs.items()},
                 deepspeed_log=log.getvalue())
 
 
-def _our_step(model, optimizer):
+def interleaved_steps(steps: dict, batches, warmup: int, device: torch.device | None = None) -> dict:
+    """Runs on every rank: one training step of every version per global batch, timed.
+
+    steps: {version: step(tokens, targets)}, each doing one whole step (forward, backward,
+    communication, optimizer) on this rank's shard of the batch and returning its loss (a
+    tensor or a float), or None. The versions take turns on the same shard, in an order that
+    rotates every batch so that machine noise hits all alike; the ranks meet at a barrier
+    before each step, so the clock measures the step, not the wait for the other ranks'
+    previous one, and each step runs inside its own `CommLedger`.
+
+    Returns {version: dict(losses, ledgers, times, step_ms)}: per step the loss (a float, or
+    None) and the CommLedger; the step times in seconds; step_ms, the median step time in
+    milliseconds over the steps after the first `warmup`.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    names = list(steps)
+    runs = {name: dict(losses=[], ledgers=[], times=[]) for name in names}
+    for index, batch in enumerate(batches):
+        tokens, targets = shard_batch(batch, rank, world_size)
+        if device is not None:
+            tokens, targets = tokens.to(device), targets.to(device)
+        for name in names[index % len(names):] + names[:index % len(names)]:
+            run = runs[name]
+            dist.barrier()  # time the step, not the wait for the other ranks' previous one
+            start = time.perf_counter()
+            with zero_lab.CommLedger() as ledger:
+                loss = steps[name](tokens, targets)
+                if isinstance(loss, torch.Tensor):
+                    loss = loss.item()  # on a GPU: waits for the step to finish
+            run["times"].append(time.perf_counter() - start)
+            run["losses"].append(loss)
+            run["ledgers"].append(ledger)
+    for run in runs.values():
+        run["step_ms"] = 1e3 * statistics.median(run["times"][warmup:])
+    return runs
+
+
+def ledger_figures(summary: dict) -> dict:
+    """A step's `CommLedger.summary()` as the benchmarks report it: collectives, {kind: (calls,
+    bytes sent)}, and sent_bytes, their total."""
+    return dict(collectives={kind: (t["calls"], t["sent_bytes"]) for kind, t in summary.items()},
+                sent_bytes=sum(t["sent_bytes"] for t in summary.values()))
+
+
+def benchmark_parser(description: str, warmup: int = 3, repeats: int = 3) -> argparse.ArgumentParser:
+    """The options every side-by-side benchmark script takes; add the script's own to it."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=warmup, help="first steps left out of the timing")
+    parser.add_argument("--repeats", type=int, default=repeats, help="launches; step times are the median over them")
+    parser.add_argument("--batch-size", type=int, default=16, help="global batch, split over the ranks")
+    return parser
+
+
+def timing_note(args: argparse.Namespace, per_launch: dict | None = None) -> str:
+    """What the step times of a benchmark run with `args` are; with `per_launch`
+    ({version: [step ms of each launch]}), followed by those."""
+    note = (f"step ms: median over {args.repeats} launches of the median of steps {args.warmup + 1}-{args.steps} "
+            "on rank 0; wall-clock on this machine, noisy if others are using it.")
+    if per_launch is not None:
+        note += " Per launch: " + "; ".join(f"{name} {', '.join(f'{t:.1f}' for t in times)}"
+                                           for name, times in per_launch.items())
+    return note
+
+
+def optimizer_step(model, optimizer):
+    """A step function for `interleaved_steps`: forward, backward, optimizer step, zero_grad."""
     def step(tokens, targets):
         _, loss = model(tokens, targets)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        return loss.item()
+        return loss
     return step
 
 
@@ -194,8 +255,7 @@ def compare(stages=None, ranks: int = 2, steps: int = 8, warmup: int = 2, repeat
         times = [launch[0]["runs"][key]["step_ms"] for launch in launches]
         results[key] = dict(
             losses=losses,
-            collectives={kind: (t["calls"], t["sent_bytes"]) for kind, t in last.items()},
-            sent_bytes=sum(t["sent_bytes"] for t in last.values()),
+            **ledger_figures(last),
             ledger_per_step=[sum(t["sent_bytes"] for t in ledger.values()) for ledger in per_rank[0][key]["ledgers"]],
             step_ms=statistics.median(times),
             step_ms_all=times,
