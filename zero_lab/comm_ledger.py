@@ -237,8 +237,11 @@ class CountingProcessGroup(dist.ProcessGroup):
         return self.inner.monitored_barrier(timeout, wait_all_ranks)
 
 
+_transport = "gloo"  # what the "counted" group delegates to; set by register()
+
+
 def _create_counting_group(store, rank: int, size: int, timeout: timedelta):
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0 and _use_nccl():
+    if _transport == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         inner = dist.ProcessGroupNCCL(store, rank, size, options)
@@ -247,18 +250,12 @@ def _create_counting_group(store, rank: int, size: int, timeout: timedelta):
     return CountingProcessGroup(inner, rank, size, "cpu", dist.ProcessGroup.BackendType.GLOO)
 
 
-_transport = {"name": "gloo"}
-
-
-def _use_nccl() -> bool:
-    return _transport["name"] == "nccl"
-
-
 def register(transport: str) -> str:
     """Make backend "counted" available on top of `transport` ("gloo" or "nccl")."""
+    global _transport
     if transport not in ("gloo", "nccl"):
         raise ValueError(f"transport must be 'gloo' or 'nccl', not {transport!r}")
-    _transport["name"] = transport
+    _transport = transport
     if BACKEND.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND, _create_counting_group, devices=["cpu", "cuda"])
     return BACKEND
