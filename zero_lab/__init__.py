@@ -6,8 +6,10 @@ from zero_lab import implementation
 # learner's own code.
 implementation.install()
 
+from zero_lab.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from zero_lab.comm_ledger import CommLedger  # noqa: E402
 from zero_lab.launcher import RankFailed, RanksHung, init_distributed, launch  # noqa: E402
 from zero_lab.prepare import prepare  # noqa: E402
 
-__all__ = ["CommLedger", "RankFailed", "RanksHung", "init_distributed", "launch", "prepare"]
+__all__ = ["CommLedger", "RankFailed", "RanksHung", "init_distributed", "launch", "load_checkpoint", "prepare",
+           "save_checkpoint"]
