@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zero_lab import RankFailed, RanksHung, launch
+from zero_lab import CommLedger, RankFailed, RanksHung, comm_ledger, launch, launch_restored
 
 
 def _rank_and_size():
@@ -126,7 +126,9 @@ def test_starting_four_ranks_is_fast():
     launch(_rank_and_size, 4)  # warm-up
     start = time.monotonic()
     launch(_rank_and_size, 4)
-    assert time.monotonic() - start < 1.0
+    # Well under the ~2 s per rank that importing torch._dynamo in each rank used to cost,
+    # with room for a loaded machine.
+    assert time.monotonic() - start < 3.0
 
 
 def test_bad_world_size_is_refused():
@@ -276,3 +278,21 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _all_reduce_and_count():
+    t = torch.full((6,), float(dist.get_rank() + 1))
+    with CommLedger() as ledger:
+        dist.all_reduce(t)
+    return t.tolist(), float(ledger.sent_bytes())
+
+
+def test_launch_restored_undoes_monkey_patches_of_the_collectives_and_the_ledger(monkeypatch):
+    """The cheats a learner's notebook could make before a graded test runs: none reaches the ranks."""
+    monkeypatch.setattr(dist, "all_reduce", lambda *args, **kwargs: None)
+    monkeypatch.setattr(comm_ledger.CommLedger, "record", lambda self, *args: None)
+    monkeypatch.setattr(comm_ledger.CountingProcessGroup, "allreduce", lambda self, *args: None)
+    cheated = launch(_all_reduce_and_count, 2, timeout=30)
+    assert cheated[0] == ([1.0] * 6, 0.0), "the patches must be in effect for the test to mean anything"
+    honest = launch_restored(_all_reduce_and_count, 2, timeout=30)
+    assert honest == [([3.0] * 6, 2 * 6 * 4 / 2)] * 2

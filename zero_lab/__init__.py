@@ -8,8 +8,8 @@ implementation.install()
 
 from zero_lab.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from zero_lab.comm_ledger import CommLedger  # noqa: E402
-from zero_lab.launcher import RankFailed, RanksHung, init_distributed, launch  # noqa: E402
+from zero_lab.launcher import RankFailed, RanksHung, init_distributed, launch, launch_restored  # noqa: E402
 from zero_lab.prepare import prepare  # noqa: E402
 
-__all__ = ["CommLedger", "RankFailed", "RanksHung", "init_distributed", "launch", "load_checkpoint", "prepare",
-           "save_checkpoint"]
+__all__ = ["CommLedger", "RankFailed", "RanksHung", "init_distributed", "launch", "launch_restored",
+           "load_checkpoint", "prepare", "save_checkpoint"]

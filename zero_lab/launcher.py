@@ -41,6 +41,8 @@ import sys
 import tempfile
 import time
 import traceback
+import types
+import warnings
 from datetime import timedelta
 from multiprocessing.connection import wait
 
@@ -50,10 +52,12 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.distributed.distributed_c10d as distributed_c10d  # noqa: E402
 
 from zero_lab import comm_ledger  # noqa: E402
 
 DEFAULT_TIMEOUT = 120.0
+PROCESS_GROUP_TIMEOUT_MARGIN = 60.0
 FAILURE_GRACE = 5.0  # seconds to wait for the rank that broke the connections, once a peer reports it
 RENDEZVOUS_PREFIX = "zero_lab_rendezvous_"
 # How a rank reports that a peer went away: its error is a consequence, not the cause.
@@ -122,8 +126,10 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _rank_main(fn, args, kwargs, rank, world_size, store_file, conn, stack_file, timeout):
+def _rank_main(fn, args, kwargs, rank, world_size, store_file, conn, stack_file, timeout, restore):
     global _in_rank
+    if restore:
+        _restore_as_imported()
     _in_rank = True
     _die_with_parent()
     os.setsid()  # a process group of its own: launch kills whatever this rank starts along with it
@@ -139,7 +145,9 @@ def _rank_main(fn, args, kwargs, rank, world_size, store_file, conn, stack_file,
     try:
         # Rendezvous through a file, not a TCP store: no rank can try to connect before the
         # store's server listens (c10d's retry path can stall for seconds on a reverse-DNS lookup).
-        init_distributed(timeout=timeout, init_method=f"file://{store_file}")
+        # The group's own timeout comes after launch's, which then reports the hang (RanksHung,
+        # with stacks) instead of racing gloo's "Timed out waiting" error.
+        init_distributed(timeout=timeout + PROCESS_GROUP_TIMEOUT_MARGIN, init_method=f"file://{store_file}")
         message = ("ok", fn(*args, **kwargs))
     except BaseException:
         message = ("error", traceback.format_exc())
@@ -176,6 +184,44 @@ def launch(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, **kwarg
 
     Results travel back by pickle, so return plain data (numbers, lists, dicts, CPU tensors).
     """
+    return _launch(fn, world_size, args, kwargs, timeout, restore=False)
+
+
+def launch_restored(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> list:
+    """`launch` for tests that grade code: each rank first puts torch.distributed and the comm
+    ledger back as they were when zero_lab was imported, before any learner code ran.
+
+    A monkey-patch made since (`dist.all_reduce = lambda *a, **k: None`, a stubbed ledger
+    recorder, `dist` rebound to a fake in the notebook) has no effect in the ranks, so what a
+    test computes there with torch.distributed is true, and a CommLedger there counts what
+    really went through the process group the launcher made.
+    """
+    return _launch(fn, world_size, args, kwargs, timeout, restore=True)
+
+
+def _snapshot_as_imported() -> list:
+    """(namespace, {name: callable or module}) for everything launch_restored puts back."""
+    namespaces = [dist, distributed_c10d, comm_ledger, comm_ledger.CommLedger, comm_ledger.CountingProcessGroup,
+                  dist.ProcessGroup, dist.ProcessGroupGloo, dist.Work, sys.modules[__name__]]
+    with warnings.catch_warnings():  # callable() on torch.distributed.reduce_op warns that it is deprecated
+        warnings.simplefilter("ignore")
+        saved = [(ns, {k: v for k, v in vars(ns).items() if callable(v) or isinstance(v, types.ModuleType)})
+                 for ns in namespaces]
+    main = sys.modules.get("__main__")  # the notebook: names bound to modules, e.g. `dist`
+    if main is not None:
+        saved.append((main, {k: v for k, v in vars(main).items() if isinstance(v, types.ModuleType)}))
+    return saved
+
+
+def _restore_as_imported() -> None:
+    for namespace, saved in _AS_IMPORTED:
+        current = vars(namespace)
+        for name, value in saved.items():
+            if current.get(name) is not value:
+                setattr(namespace, name, value)
+
+
+def _launch(fn, world_size, args, kwargs, timeout, restore):
     if _in_rank:
         raise RuntimeError("zero_lab.launch was called inside a rank of another launch: every rank is "
                            "already a process of the group; call the function directly")
@@ -217,7 +263,8 @@ def launch(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, **kwarg
                 stack_files.append(tempfile.TemporaryFile(mode="w+"))
                 proc = ctx.Process(
                     target=_rank_main,
-                    args=(fn, args, kwargs, rank, world_size, store_file, child_end, stack_files[-1], timeout),
+                    args=(fn, args, kwargs, rank, world_size, store_file, child_end, stack_files[-1], timeout,
+                          restore),
                     daemon=True,
                 )
                 proc.start()
@@ -355,3 +402,6 @@ def _raise_hung(pending, procs, stack_files, timeout):
         stacks[rank] = stack_files[rank].read().split("in _rank_main")[0].rsplit("\n", 1)[0]
     stuck = {rank: _blocked_in(stacks[rank]) for rank in pending}
     raise RanksHung(timeout, len(procs), stuck, stacks)
+
+
+_AS_IMPORTED = _snapshot_as_imported()  # last: the functions above are part of it
