@@ -17,6 +17,7 @@ from zero_lab.data import shard_batch, token_batches
 from zero_lab.memory_ledger import model_state_bytes
 from zero_lab.models import GPT, MLP
 from zero_lab.prepare import prepare
+from zero_lab.train import train as train_gpt
 from zero_lab.zero1 import ShardLayout
 from zero_lab.zero3 import init_model, meta_parameters, seeded_init
 
@@ -281,3 +282,8 @@ def test_gathered_parameters_keeps_what_the_modifier_rank_wrote():
     for w in launch(_gathered_parameters_edit, 3, timeout=60):
         assert torch.equal(w["layers.0.bias"], torch.full((9,), 0.5))
         assert torch.equal(w["layers.2.weight"], weights(MLP(SIZES, seed=0))["layers.2.weight"])
+
+
+def test_training_script_stage_3_matches_ddp():
+    curves = {stage: launch(train_gpt, 2, stage, 4, 12, 3e-3, timeout=60)[0] for stage in (0, 3)}
+    assert curves[3] == pytest.approx(curves[0], rel=1e-5)
