@@ -287,3 +287,36 @@ def test_gathered_parameters_keeps_what_the_modifier_rank_wrote():
 def test_training_script_stage_3_matches_ddp():
     curves = {stage: launch(train_gpt, 2, stage, 4, 12, 3e-3, timeout=60)[0] for stage in (0, 3)}
     assert curves[3] == pytest.approx(curves[0], rel=1e-5)
+
+
+def _drop_in(steps=6):
+    """A scheduler, torch's clip_grad_norm_, and preparing the same model again (a re-run cell)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = Corners()
+    for _ in range(2):  # the second prepare must start from whole, unsharded parameters
+        model, optimizer = prepare(model, torch.optim.AdamW, stage=3, **ADAMW)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        for batch in mlp_batches(steps):
+            corners_loss(model, shard_batch(batch, rank, world_size)).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+    with optimizer.gathered_parameters():
+        return weights(model)
+
+
+def test_schedulers_torch_clipping_and_preparing_again():
+    model = Corners()
+    expected = None
+    for _ in range(2):  # the same two rounds in one process
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **ADAMW)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        for batch in mlp_batches(6):
+            corners_loss(model, batch).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        expected = weights(model)
+    assert_close(launch(_drop_in, 3, timeout=60), expected, atol=1e-5, rtol=1e-5)

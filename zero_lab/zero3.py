@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from zero_lab.optim import OptimizerOverCopies, hold_gradients
 from zero_lab.zero1 import MASTER_DTYPE, ShardLayout, clip_grad_norm_, gather_shards, param_groups_of, param_views
 
 
@@ -225,7 +226,7 @@ def init_model(model: torch.nn.Module, init_fn: Callable[[str, torch.Tensor], No
     return model
 
 
-class Zero3Optimizer(torch.optim.Optimizer):
+class Zero3Optimizer(OptimizerOverCopies):
     """ZeRO stage 3 around an element-wise torch optimizer (AdamW by default).
 
     Shards the model in place: every parameter becomes a view into its unit's flat buffer, which
@@ -279,19 +280,18 @@ class Zero3Optimizer(torch.optim.Optimizer):
                                      "the model inside zero_lab.zero3.meta_parameters(), which makes buffers as usual")
                 if param_dtype is not None and buffer.is_floating_point():
                     buffer.data = buffer.data.to(param_dtype)
-        self.optimizer = optimizer_class([{**g, "params": p} for g, p in zip(groups, inner_params)], **defaults)
-        super().__init__(self.optimizer.param_groups, self.optimizer.defaults)
-        self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state  # one set, shared
+        super().__init__(optimizer_class([{**g, "params": p} for g, p in zip(groups, inner_params)], **defaults))
         self.unit_of = {p: unit for unit in self.units for p in unit.params}
         self.trainable = [sum(p.requires_grad for p in unit.params) for unit in self.units]
+        self.hook_handles = [model.register_forward_pre_hook(self._start_forward, prepend=True)]
         for index, (_, module, _) in enumerate(self.calls):
-            module.register_forward_pre_hook(partial(self._pre_forward, index))
-            module.register_forward_hook(partial(self._post_forward, index))
-        model.register_forward_pre_hook(self._start_forward, prepend=True)
+            self.hook_handles.append(module.register_forward_pre_hook(partial(self._pre_forward, index)))
+            self.hook_handles.append(module.register_forward_hook(partial(self._post_forward, index)))
         for p in self.unit_of:
             p.grad = None
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._on_gradient_ready)
+                self.hook_handles.append(p.register_post_accumulate_grad_hook(self._on_gradient_ready))
+        hold_gradients(self, self.unit_of)  # torch.nn.utils.clip_grad_norm_(model.parameters()) clips the shards
         self.last_grad_norm, self.trace = None, None  # trace: a list to record gathered elements over time
         self.number = {unit: i for i, unit in enumerate(self.units)}
         self.reduced = set()  # units reduce-scattered in this backward pass
@@ -535,6 +535,17 @@ class Zero3Optimizer(torch.optim.Optimizer):
             if unit.shard is not master:
                 unit.shard.copy_(master)  # the compute-dtype shard follows its fp32 master
 
+    @property
+    def groups(self) -> list[Unit]:
+        """The units: what torch.nn.utils.clip_grad_norm_ checks it was given every parameter of."""
+        return self.units
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradient shards so that the whole gradient's norm is <= max_norm (call it
+        between backward and step, on every rank); returns the norm before clipping."""
+        shards = [g for g in self.grad_shards if g is not None]
+        return clip_grad_norm_(shards, [g.numel() for g in shards], max_norm)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient shards in place (set_to_none is ignored: they are reused)."""
         for grad_shard in self.grad_shards:
@@ -573,6 +584,19 @@ class Zero3Optimizer(torch.optim.Optimizer):
                     self.masters[i].copy_(unit.flat[start:stop])
                     unit.shard.copy_(unit.flat[start:stop])
                 free_unit(unit)
+
+    @torch.no_grad()
+    def unshard_model(self) -> None:
+        """Give every parameter its whole fp32 weights back, in storage of its own (every rank calls
+        it; the hooks are removed first, through hook_handles). The optimizer is unusable after."""
+        for handle in self.hook_handles:
+            handle.remove()
+        for unit, master in zip(self.units, self.masters):
+            full = master.new_empty(unit.layout.padded_numel)
+            dist.all_gather_single(full, master)
+            free_unit(unit)
+            for p, view in zip(unit.params, param_views(full, unit.params)):
+                p.data = view.clone()
 
     def state_dict(self) -> dict:
         """This rank's shard of the training state (fp32 masters, which include frozen parameters,
