@@ -223,13 +223,13 @@ def test_gathered_peak_is_bounded_by_the_prefetch_depth():
             assert steady == (depth + 1) * largest
 
 
-def _divergent(skip_rank):
+def _divergent(skip_rank, skip_step):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model, optimizer = prepare(MLP([6, 8, 8, 4], seed=0), torch.optim.AdamW, stage=3, lr=1e-3)
     x = shard_batch(torch.randn(6, 6), rank, world_size)
     for step in range(3):
         layers = list(model.layers)
-        if step == 2 and rank == skip_rank:  # this rank takes another branch: skips layers.2 (8 -> 8)
+        if step == skip_step and rank == skip_rank:  # this rank takes another branch: skips layers.2 (8 -> 8)
             layers = layers[:2] + layers[3:]
         h = x
         for layer in layers:
@@ -239,10 +239,11 @@ def _divergent(skip_rank):
         optimizer.zero_grad()
 
 
-def test_divergent_control_flow_names_the_rank_and_the_unit():
+@pytest.mark.parametrize("skip_step", [0, 2])  # while the order is recorded, and after
+def test_divergent_control_flow_names_the_rank_and_the_unit(skip_step):
     start = time.monotonic()
     with pytest.raises(RankFailed) as failure:
-        launch(_divergent, 3, 1, timeout=30)
+        launch(_divergent, 3, 1, skip_step, timeout=30)
     assert time.monotonic() - start < 20
     message = str(failure.value)
     assert "rank 1" in message and "'layers.4'" in message and "'layers.2'" in message

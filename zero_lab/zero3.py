@@ -387,6 +387,7 @@ class Zero3Optimizer(OptimizerOverCopies):
         order = self.order[phase]
         if order is None:
             self.recording[phase].append(index)
+            self._check_same_call(phase, position, index)
         elif position >= len(order) or order[position] != index:
             expected = f"'{self.calls[order[position]][0]}'" if position < len(order) else "no call (it had ended)"
             raise RuntimeError(
@@ -395,6 +396,18 @@ class Zero3Optimizer(OptimizerOverCopies):
                 "rank must run the same units in the same order, or the all-gathers no longer match and the ranks "
                 "hang. If the order changed on purpose on every rank, call optimizer.invalidate_order() on every "
                 "rank before that step: it is recorded again, without prefetching.")
+
+    def _check_same_call(self, phase, position, index):
+        """While the order is recorded, every call is announced to the other ranks (a tiny
+        all-gather, before the call's own collectives): a rank on another path is caught at once."""
+        mine = torch.tensor([phase == "backward", position, index], device=self.units[0].flat.device)
+        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(everyone, mine)
+        if any(not torch.equal(theirs, mine) for theirs in everyone):
+            calls = "; ".join(f"rank {rank}: {('forward', 'backward')[int(b)]} call {int(k)} '{self.calls[int(i)][0]}'"
+                              for rank, (b, k, i) in enumerate(t.tolist() for t in everyone))
+            raise RuntimeError(f"rank {self.rank}: the ranks ran different units in the first step ({calls}). Every "
+                               "rank must run the same units in the same order, or their all-gathers do not match.")
 
     def _acquire(self, index, phase):
         unit = self.units[index]
@@ -409,10 +422,9 @@ class Zero3Optimizer(OptimizerOverCopies):
         """Start the all-gathers that prefetch_plan asks for at the current position of the recorded
         order of `phase`, asynchronously (keep each handle in unit.work). Nothing while the order is
         being recorded, nor with prefetch=0."""
-        order = self.order[phase]
-        if order is None or not self.prefetch:
+        if self.order[phase] is None or not self.prefetch:
             return  # nothing is prefetched before the order is known
-        needs = [self.calls[index][2] for index in order]
+        needs = [self.calls[index][2] for index in self.order[phase]]
         resident = {i for i, unit in enumerate(self.units) if unit.is_gathered()}
         numels = [unit.flat.numel() for unit in self.units]
         for index in prefetch_plan(needs, self.position[phase], self.prefetch, resident, numels,
@@ -488,29 +500,16 @@ class Zero3Optimizer(OptimizerOverCopies):
 
     def _finish_backward(self):
         """Runs when backward ends: reduce what backward never reached (zeros: every rank must
-        take part), free everything, and after the first step, check the order on every rank."""
+        take part), free everything, and after the first step, keep its order as the record."""
         for index, unit in enumerate(self.units):
             if self.trainable[index] and unit not in self.reduced:
                 self._reduce(unit)
         self._release_all()
         self.reduced.clear()
-        if self.order["forward"] is None:
-            self._agree_on_order(self.recording)
+        if self.order["forward"] is None:  # the first step is over: its order, checked call by call, is the record
+            self.order = {phase: list(calls) for phase, calls in self.recording.items()}
         self.position = {"forward": -1, "backward": -1}
         self.backward_started = False
-
-    def _agree_on_order(self, recorded):
-        orders = [None] * self.world_size
-        dist.all_gather_object(orders, (recorded["forward"], recorded["backward"]))
-        for rank, theirs in enumerate(orders):
-            for phase, mine, other in zip(("forward", "backward"), orders[0], theirs):
-                if mine != other:
-                    at = next((i for i, (a, b) in enumerate(zip(mine, other)) if a != b), min(len(mine), len(other)))
-                    name = lambda order: f"'{self.calls[order[at]][0]}'" if at < len(order) else "no call"
-                    raise RuntimeError(
-                        f"ranks ran different units: call {at} of the {phase} pass is {name(mine)} on rank 0 and "
-                        f"{name(other)} on rank {rank}. Every rank must run the same units in the same order.")
-        self.order = {"forward": list(recorded["forward"]), "backward": list(recorded["backward"])}
 
     # ---- the step, on this rank's shards
     @torch.no_grad()
