@@ -308,8 +308,9 @@ class Zero3Optimizer(OptimizerOverCopies):
         trainable = sorted((p for p in owned if p.requires_grad), key=lambda p: group_of[p])
         params = trainable + [p for p in owned if not p.requires_grad]
         layout = ShardLayout(sum(p.numel() for p in params), self.world_size)
-        on_meta = params[0].device.type == "meta"
-        device = torch.device("cpu") if on_meta else params[0].device
+        on_meta = any(p.device.type == "meta" for p in params)
+        device = params[0].device if not on_meta else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
         full = torch.zeros(layout.padded_numel, dtype=MASTER_DTYPE, device=device)  # one unit at a time
         for p, view in zip(params, param_views(full, params)):
             if p.device.type != "meta":
@@ -318,7 +319,7 @@ class Zero3Optimizer(OptimizerOverCopies):
                 init_fn(self.names[p], view)
             else:
                 raise ValueError(f"{self.names[p]} is on the meta device: pass init_fn to make its weights")
-        if init_fn is None:
+        if not on_meta:
             dist.broadcast(full, src=0)  # every rank starts from rank 0's weights, as in DDP
         start, stop = layout.shard(self.rank)
         master = full[start:stop].clone()
