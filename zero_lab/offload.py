@@ -271,6 +271,9 @@ class _Offload:
 
     @torch.no_grad()
     def step(self) -> None:
+        """Gradient shards on the host (_host_gradients), clipped (_clip_) if max_grad_norm is set
+        (the norm goes to self.last_grad_norm), handed to self.schedule; if the schedule left the
+        update running, switch host_grads with spare_grads (made like host_grads the first time)."""
         grads = self._host_gradients()
         if self.max_grad_norm is not None:
             self.last_grad_norm = self._clip_(grads)
@@ -343,6 +346,7 @@ class Zero1Offload(_Offload, Zero1Optimizer):
     reduce-scatters it (lesson 03) and sends this rank's shard down. Device: 4 Psi bytes."""
 
     def _host_gradients(self) -> list[torch.Tensor]:
+        """Reduce-scatter the device's gradients (lesson 03) and copy each shard into host_grads."""
         for host_grad, shard in zip(self.host_grads, self.reduce_gradients()):
             host_grad.copy_(self.link.to_host(shard))
         return self.host_grads
