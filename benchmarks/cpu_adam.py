@@ -84,7 +84,7 @@ def triad_gbps(numel: int, threads: int, repeats: int = 5) -> float:
     return TRIAD_BYTES_PER_ELEMENT * numel / min(times[1:]) / 1e9
 
 
-def make_step(version: str, numel: int, threads: int):
+def make_step(version: str, numel: int, threads: int, ours=cpu_adam_):
     """A function doing one AdamW step on a fresh flat fp32 shard of `numel` elements, and a cleanup."""
     generator = torch.Generator().manual_seed(0)
     param, grad = torch.randn(numel, generator=generator), torch.randn(numel, generator=generator)
@@ -92,7 +92,7 @@ def make_step(version: str, numel: int, threads: int):
         torch.set_num_threads(1)
         pool = ThreadPoolExecutor(threads) if threads > 1 else None
         exp_avg, exp_avg_sq, steps = torch.zeros(numel), torch.zeros(numel), iter(range(1, 10**9))
-        step = lambda: cpu_adam_(param, grad, exp_avg, exp_avg_sq, next(steps), pool=pool, **ADAMW)  # noqa: E731
+        step = lambda: ours(param, grad, exp_avg, exp_avg_sq, next(steps), pool=pool, **ADAMW)  # noqa: E731
         return step, (pool.shutdown if pool else lambda: None)
     torch.set_num_threads(threads)
     param = torch.nn.Parameter(param)
@@ -106,11 +106,11 @@ def make_step(version: str, numel: int, threads: int):
     return optimizer.step, lambda: None
 
 
-def bytes_touched_per_element(version: str, numel: int = 2**16) -> float | None:
+def bytes_touched_per_element(version: str, numel: int = 2**16, ours=cpu_adam_) -> float | None:
     """What one step's tensor operations read and write, per element (None: not visible to torch)."""
     if version == DEEPSPEED:
         return None  # its own C++ kernel, called outside torch's dispatcher
-    step, cleanup = make_step(version, numel, 1)
+    step, cleanup = make_step(version, numel, 1, ours)
     step()  # the first step creates the states
     with _BytesTouched() as counter:
         step()
@@ -118,9 +118,9 @@ def bytes_touched_per_element(version: str, numel: int = 2**16) -> float | None:
     return counter.bytes / numel
 
 
-def time_step(version: str, numel: int, threads: int, repeats: int) -> float:
+def time_step(version: str, numel: int, threads: int, repeats: int, ours=cpu_adam_) -> float:
     """Median seconds of one step, after one warm-up step."""
-    step, cleanup = make_step(version, numel, threads)
+    step, cleanup = make_step(version, numel, threads, ours)
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
@@ -131,17 +131,18 @@ def time_step(version: str, numel: int, threads: int, repeats: int) -> float:
 
 
 def bake_off(sizes=(10**6, 10**7, 10**8), threads=(1, 2), repeats: int = 5, deepspeed: bool = False,
-             triad_numel: int = 2**25, progress=lambda iterable: iterable) -> dict:
+             triad_numel: int = 2**25, progress=lambda iterable: iterable, ours=cpu_adam_) -> dict:
     """{"rows": [...], "triad": {threads: GB/s}}; a row per (size, threads, version) with ms, GB/s
-    (at 28 bytes per element), bytes its operations touch per element, time vs fused, vs the bound."""
+    (at 28 bytes per element), bytes its operations touch per element, time vs fused, vs the bound.
+    ours: the function timed as "ours" (default zero_lab.offload.cpu_adam_; a lesson passes the learner's)."""
     versions = [*TORCH_VERSIONS, OURS] + ([DEEPSPEED] if deepspeed and deepspeed_available() else [])
     saved_threads = torch.get_num_threads()
-    touched = {version: bytes_touched_per_element(version) for version in versions}
+    touched = {version: bytes_touched_per_element(version, ours=ours) for version in versions}
     triad, rows = {}, []
     try:
         for numel, count in progress([(n, t) for n in sizes for t in threads]):
             triad[count] = max(triad.get(count, 0.0), triad_gbps(triad_numel, count))  # re-measured: the best seen
-            seconds = {version: time_step(version, numel, count, repeats) for version in versions}
+            seconds = {version: time_step(version, numel, count, repeats, ours) for version in versions}
             for version, t in seconds.items():
                 bound = ADAM_BYTES_PER_ELEMENT * numel / (triad[count] * 1e9)
                 rows.append(dict(version=version, numel=numel, threads=count, ms=1e3 * t,

@@ -18,8 +18,6 @@ DelayedUpdate      when the host update runs: at once, or one step delayed (the 
 Zero1Offload, Zero2Offload   the optimizers behind zero_lab.prepare(..., stage=1|2, offload="cpu")
 """
 
-import math
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
