@@ -190,3 +190,27 @@ def test_cpu_adam_is_torch_adamw_bit_for_bit(numel, threads, chunk_numel):
         cpu_adam_(ours, grad, m, v, step, betas=(0.9, 0.999), eps=1e-8, pool=pool, chunk_numel=chunk_numel, **ADAMW)
     state = optimizer.state[param]
     assert torch.equal(ours, param.detach()) and torch.equal(m, state["exp_avg"]) and torch.equal(v, state["exp_avg_sq"])
+
+
+def _torch_clip_and_scheduler(stage, offload):
+    options = dict(offload="cpu") if offload else {}
+    model, optimizer = prepare(MLP(SIZES, seed=0), torch.optim.AdamW, stage=stage, **ADAMW, **options)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    norms = []
+    for batch in mlp_batches():
+        mlp_loss(model, shard_batch(batch, rank, world_size)).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    return weights(model), norms
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_torch_clip_grad_norm_and_lr_schedulers_work_as_without_offload(stage):
+    plain = launch(_torch_clip_and_scheduler, 3, stage, False, timeout=60)
+    offloaded = launch(_torch_clip_and_scheduler, 3, stage, True, timeout=60)
+    for (w_plain, n_plain), (w_offloaded, n_offloaded) in zip(plain, offloaded):
+        assert n_plain == n_offloaded and max(n_plain) > 0.5, "the same global norms, and the test must clip"
+        assert all(torch.equal(w_plain[name], w_offloaded[name]) for name in w_plain)

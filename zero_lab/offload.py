@@ -256,6 +256,7 @@ class _Offload:
         self.cpu_adam = optimizer_class is torch.optim.AdamW and not any(
             g.get("amsgrad") or g.get("maximize") for g in self.optimizer.param_groups)
         self.schedule = DelayedUpdate(self._update, self._upload, dpu_warmup_steps)
+        self.gradients_sent = False
 
     def _flatten_group(self, params, param_dtype) -> FlatGroup:
         group = super()._flatten_group(params, param_dtype)
@@ -268,17 +269,33 @@ class _Offload:
         return nullcontext() if self.timeline is None else self.timeline.span(lane, label)
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, closure=None):
+        """One optimizer step (_step); as with torch.optim, a closure re-evaluates the loss first."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step()
+        self.gradients_sent = False  # stage 1: the next step reduces and sends its own gradients
+        return loss
+
+    def _step(self) -> None:
         """Gradient shards on the host (_host_gradients), clipped (_clip_) if max_grad_norm is set
         (the norm goes to self.last_grad_norm), handed to self.schedule; if the schedule left the
         update running, switch host_grads with spare_grads (made like host_grads the first time)."""
         grads = self._host_gradients()
         if self.max_grad_norm is not None:
-            self.last_grad_norm = self._clip_(grads)
+            self.last_grad_norm = self._clip_(grads, self.max_grad_norm)
         self.schedule.step(grads)
         if self.schedule.pending is not None:  # the update reads grads in the background: switch buffers
             self.spare_grads = self.spare_grads or [torch.zeros_like(g) for g in self.host_grads]
             self.host_grads, self.spare_grads = self.spare_grads, self.host_grads
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the host gradient shards to a global L2 norm <= max_norm before step(); return the
+        norm. torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) calls this."""
+        return self._clip_(self._host_gradients(), max_norm)
 
     def flush(self) -> None:
         """Finish a delayed update now (DPU): afterwards the model holds the newest parameters."""
@@ -301,7 +318,7 @@ class _Offload:
             for group in self.groups:
                 upload_shard(group.flat_param, group.master, group.layout.shard(self.rank)[0], self.link)
 
-    def _clip_(self, grads: list[torch.Tensor]) -> torch.Tensor:
+    def _clip_(self, grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         # Lesson 03's global-norm clipping, on host shards: the squared norm crosses to the device for the all-reduce.
         squares = torch.zeros((), dtype=torch.float32)
         for grad, group in zip(grads, self.groups):
@@ -309,7 +326,7 @@ class _Offload:
         total = squares.to(self.link.device)
         dist.all_reduce(total)
         norm = total.cpu().sqrt()
-        scale = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for grad in grads:
             grad.mul_(scale)
         return norm
@@ -344,10 +361,15 @@ class Zero1Offload(_Offload, Zero1Optimizer):
     reduce-scatters it (lesson 03) and sends this rank's shard down. Device: 4 Psi bytes."""
 
     def _host_gradients(self) -> list[torch.Tensor]:
-        """Reduce-scatter the device's gradients (lesson 03) and copy each shard into host_grads."""
+        if not self.gradients_sent:  # once per step: clip_grad_norm_ may have asked before step()
+            self._send_gradients()
+            self.gradients_sent = True
+        return self.host_grads
+
+    def _send_gradients(self) -> None:
+        """Reduce-scatter the device's gradients (lesson 03) and copy each shard down into host_grads."""
         for host_grad, shard in zip(self.host_grads, self.reduce_gradients()):
             host_grad.copy_(self.link.to_host(shard))
-        return self.host_grads
 
     def _device_gradients(self) -> list[torch.Tensor]:
         return [g.flat_grad for g in self.groups]
