@@ -214,3 +214,17 @@ def test_torch_clip_grad_norm_and_lr_schedulers_work_as_without_offload(stage):
     for (w_plain, n_plain), (w_offloaded, n_offloaded) in zip(plain, offloaded):
         assert n_plain == n_offloaded and max(n_plain) > 0.5, "the same global norms, and the test must clip"
         assert all(torch.equal(w_plain[name], w_offloaded[name]) for name in w_plain)
+
+
+def _backward_twice_without_zero_grad():
+    model, optimizer = prepare(MLP(SIZES, seed=0), torch.optim.AdamW, stage=2, offload="cpu", lr=1e-3)
+    batch = shard_batch(mlp_batches(1)[0], dist.get_rank(), dist.get_world_size())
+    mlp_loss(model, batch).backward()
+    optimizer.step()
+    with pytest.raises(RuntimeError, match="without optimizer.zero_grad"):
+        mlp_loss(model, batch).backward()
+    return True
+
+
+def test_backward_after_step_without_zero_grad_raises_as_in_stage_2():
+    assert launch(_backward_twice_without_zero_grad, 2, timeout=60) == [True, True]

@@ -391,6 +391,7 @@ class Zero2Offload(_Offload, Zero2Optimizer):
         bucket.ready.clear()
 
     def _host_gradients(self) -> list[torch.Tensor]:
+        self.shards_used = True  # as in lesson 04: a backward before zero_grad() raises
         return self.host_grads
 
     def _device_gradients(self) -> list[torch.Tensor]:
@@ -401,6 +402,7 @@ class Zero2Offload(_Offload, Zero2Optimizer):
         """Zero the host gradient shards (set_to_none is ignored: they are reused)."""
         for grad in self.host_grads:
             grad.zero_()
+        self.shards_used = False
 
 
 OFFLOAD_OPTIMIZERS = {1: Zero1Offload, 2: Zero2Offload}
