@@ -11,6 +11,7 @@ stage 0  DDP (lesson 02, zero_lab.ddp): everything replicated, gradients all-red
 stage 1  P_os (lesson 03, zero_lab.zero1): optimizer states sharded
 stage 2  P_os+g (lesson 04, zero_lab.zero2): optimizer states and gradients sharded
 stage 3  P_os+g+p (lesson 05, zero_lab.zero3): parameters sharded too, gathered unit by unit
+stage 1-2 with offload="cpu"  ZeRO-Offload (lesson 06, zero_lab.offload): optimizer states and step on the host
 
 Options besides the optimizer's own (lr, betas, weight_decay, ...):
     params=         tensors or param-group dicts, as torch.optim takes them (default: all of the model's)
@@ -19,6 +20,12 @@ Options besides the optimizer's own (lr, betas, weight_decay, ...):
     bucket_numel=   stage 2: elements per gradient bucket
     units=, prefetch=, max_live_numel=, reshard_last=, init_fn=
                     stage 3: sharding units, prefetch depth and cap, meta-device init (zero_lab.zero3)
+    offload="cpu"   stages 1-2: ZeRO-Offload (lesson 06, zero_lab.offload): fp32 masters, Adam's states,
+                    gradient shards and the update on the host; the 16-bit parameters on the device
+    dpu_warmup_steps=  with offload: the one-step delayed parameter update after this many ordinary
+                    steps (None, the default: no delay; the paper's choice is 40); call optimizer.flush()
+                    before reading the weights
+    adam_threads=   with offload: threads of the host's AdamW (default 1)
 Defaults keep the model's dtype. Anything else is refused with an error that names the fix.
 Call it on every rank, inside zero_lab.launch or after zero_lab.init_distributed().
 
@@ -42,8 +49,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 MODULES = {0: "zero_lab.ddp", 1: "zero_lab.zero1", 2: "zero_lab.zero2", 3: "zero_lab.zero3"}
 LESSONS = {0: "02_ddp", 1: "03_zero1", 2: "04_zero2", 3: "05_zero3"}
-ZERO_OPTIONS = {0: {"param_dtype"}, 1: {"param_dtype", "max_grad_norm"}, 2: {"param_dtype", "max_grad_norm", "bucket_numel"},
+OFFLOAD_OPTIONS = {"offload", "dpu_warmup_steps", "adam_threads"}
+ZERO_OPTIONS = {0: {"param_dtype"}, 1: {"param_dtype", "max_grad_norm", *OFFLOAD_OPTIONS},
+                2: {"param_dtype", "max_grad_norm", "bucket_numel", *OFFLOAD_OPTIONS},
                 3: {"param_dtype", "max_grad_norm", "units", "prefetch", "max_live_numel", "reshard_last", "init_fn"}}
+OFFLOAD_MODULE, OFFLOAD_LESSON = "zero_lab.offload", "06_offload"
 PARAM_DTYPES = (torch.float32, torch.bfloat16)
 _prepared = WeakIdKeyDictionary()  # model -> what prepare made of it last (holds its gradient hooks)
 
@@ -55,13 +65,15 @@ def prepare(model: torch.nn.Module, optimizer_class: type, stage: int = 0, *, pa
     zero_options = {k: options.pop(k) for k in list(options) if k in ZERO_OPTIONS[stage]}
     _check_options(optimizer_class, stage, options)
     _check_dtypes(model, zero_options.get("param_dtype"))
+    offload = _check_offload(zero_options)
+    module_name, lesson = (OFFLOAD_MODULE, OFFLOAD_LESSON) if offload else (MODULES[stage], LESSONS[stage])
     try:
-        module = importlib.import_module(MODULES[stage])
+        module = importlib.import_module(module_name)
     except ModuleNotFoundError as missing:
-        if missing.name != MODULES[stage]:
+        if missing.name != module_name:
             raise
-        raise RuntimeError(f"stage {stage} needs {MODULES[stage]}, which does not exist yet: "
-                           f"run `zero-lab build {LESSONS[stage]}`") from None
+        raise RuntimeError(f"stage {stage}{' with offload' if offload else ''} needs {module_name}, which does not "
+                           f"exist yet: run `zero-lab build {lesson}`") from None
     param_dtype = zero_options.get("param_dtype")
     _warn_about_batch_norm(model)
     previous = _prepared.pop(model, None)
@@ -75,10 +87,10 @@ def prepare(model: torch.nn.Module, optimizer_class: type, stage: int = 0, *, pa
         wrapped, optimizer = _prepare_ddp(module, model, optimizer_class, params, param_dtype, options)
         _prepared[model] = wrapped
     else:
-        optimizer_type = {1: "Zero1Optimizer", 2: "Zero2Optimizer", 3: "Zero3Optimizer"}[stage]
+        optimizer_type = (module.OFFLOAD_OPTIMIZERS[stage] if offload
+                          else getattr(module, {1: "Zero1Optimizer", 2: "Zero2Optimizer", 3: "Zero3Optimizer"}[stage]))
         wrapped = model
-        _prepared[model] = optimizer = getattr(module, optimizer_type)(model, optimizer_class, params,
-                                                                       **zero_options, **options)
+        _prepared[model] = optimizer = optimizer_type(model, optimizer_class, params, **zero_options, **options)
     if param_dtype is not None and stage < 3:  # stage 3 casts its shards and the buffers itself
         model.to(param_dtype)  # frozen parameters and buffers too; the fp32 masters were taken before
     return wrapped, optimizer
@@ -138,6 +150,18 @@ def _check_options(optimizer_class, stage, options) -> None:
                     + (f" ({'; '.join(hints)})" if hints else "")
                     + f": {optimizer_class.__name__} takes {sorted(accepted)}; "
                     f"stage {stage} adds {sorted(ZERO_OPTIONS[stage]) or 'nothing'}")
+
+
+def _check_offload(zero_options: dict) -> bool:
+    """Whether to offload (the offload option removed from zero_options); its companions need it."""
+    offload = zero_options.pop("offload", None)
+    if offload not in (None, "cpu"):
+        raise ValueError(f'offload must be "cpu" (ZeRO-Offload: optimizer states and step on the host) or None, '
+                         f"got {offload!r}")
+    companions = sorted(set(zero_options) & (OFFLOAD_OPTIONS - {"offload"}))
+    if companions and offload is None:
+        raise TypeError(f"{companions} only apply with offload=\"cpu\": pass offload=\"cpu\" or leave them out")
+    return offload is not None
 
 
 def _check_dtypes(model, param_dtype) -> None:
