@@ -531,19 +531,23 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     parser.add_argument("--sizes", nargs="+", default=["S", "M"], choices=list(SIZES))
     parser.add_argument("--fit-budget-mb", type=float, default=None, help="per-rank budget (MiB) for the fit search")
+    parser.add_argument("--fit-depths", type=int, nargs="+", default=list(FIT_DEPTHS), help="n_layer candidates")
+    parser.add_argument("--fit-widths", type=int, nargs="+", default=list(FIT_WIDTHS),
+                        help="n_embd candidates, ascending multiples of 4 (the defaults suit CPU budgets)")
     parser.add_argument("--json", default="memory_vs_formula.json", help="where to write the run")
     args = parser.parse_args(argv)
     budget = None if args.fit_budget_mb is None else int(args.fit_budget_mb * 2**20)
+    family = (tuple(args.fit_depths), tuple(args.fit_widths))
     if "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ:  # torchrun: this world size only
         zero_lab.init_distributed()
-        results = run_rank(args.rows, args.sizes, budget)
+        results = run_rank(args.rows, args.sizes, budget, family=family)
         if dist.get_rank() == 0:
-            run = _run({dist.get_world_size(): results}, args.rows, args.sizes, budget, 2)
+            run = _run({dist.get_world_size(): results}, args.rows, args.sizes, budget, 2, family)
         dist.destroy_process_group()
         if int(os.environ["RANK"]) != 0:
             return
     else:
-        run = measure(tuple(args.nd), tuple(args.rows), tuple(args.sizes), args.fit_budget_mb)
+        run = measure(tuple(args.nd), tuple(args.rows), tuple(args.sizes), args.fit_budget_mb, family=family)
     print(report(run))
     print(f"wrote {save(run, args.json)}")
 
