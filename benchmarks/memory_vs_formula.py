@@ -12,15 +12,17 @@ mixed precision (bf16 parameters and gradients, fp32 masters and AdamW: the pape
 MICRO_BATCH rows of each global batch, so activations per rank stay fixed as Nd grows.
 
 What is measured, and said in every output:
-  CPU  (`cpu_step_memory`) the memory ledger's model-state bytes by category, read after forward,
-       at every gradient hook and module hook, after backward and after the step; the bytes saved
-       for backward still alive (saved-tensor hooks); the process's peak RSS during the step
-       (Linux VmHWM, reset first; malloc set to mmap every block of 4 KiB and more, so freed
-       tensors leave the RSS). The step's peak is the model states at its start + that RSS growth.
+  any device (`step_memory`): the memory ledger's model-state bytes by category, read at every
+       module's forward hook and gradient hook and after each phase; the bytes saved for backward
+       and not yet used (saved-tensor hooks). The residual (peak - formula) is split at the
+       largest of these readings (zero_lab.benchmark.decompose_residual).
+  CPU  the peak: model states at the step's start + the growth of the process's peak RSS during
+       the step (Linux VmHWM, reset first; malloc set to map every block of 4 KiB or more on its
+       own, so a freed tensor leaves the RSS).
   CUDA (`cuda_step_memory`) per rank, after torch.cuda.reset_peak_memory_stats(): memory_allocated
-       after init, forward, backward and step of a steady-state step (the second), max_memory_allocated,
-       max_memory_reserved, inactive_split_bytes (fragmentation) and mem_get_info (what the caching
-       allocator does not see: CUDA context, NCCL buffers).
+       after init, forward, backward and step of a steady-state step (the second), max_memory_allocated
+       (the peak), max_memory_reserved, inactive_split_bytes (fragmentation) and mem_get_info (what
+       the caching allocator does not see: CUDA context, NCCL buffers).
 Each run writes a JSON file (machine, configuration, every figure); `plot_runs` draws several.
 """
 
@@ -158,12 +160,13 @@ def _reset_peak_rss() -> None:
         f.write("5")
 
 
-def cpu_step_memory(model, optimizer, phases) -> dict:
+def step_memory(model, optimizer, phases, device: torch.device) -> dict:
     """Run one step's phases, reading memory as it goes (see the module docstring).
 
-    Returns samples (each {category: bytes, "activations": bytes, "phase": name}), activations
-    (saved for backward at the end of forward), peak (model states at the start + peak RSS growth;
-    None off Linux) and peak_rss (the process's, bytes).
+    Returns samples (each {category: bytes, "activations": bytes, "phase": name}: the ledger and
+    the saved-tensor hooks, on any device), activations (the most saved for backward during
+    forward) and peak: on CUDA the allocator's (with its other figures under "cuda"); on CPU the
+    model states at the start + the peak RSS growth (None off Linux), with peak_rss, the process's.
     """
     saved, samples, phase_name = SavedTensors(model), [], ["start"]
 
@@ -171,28 +174,40 @@ def cpu_step_memory(model, optimizer, phases) -> dict:
         reading = model_state_bytes(model, optimizer).bytes
         samples.append({**reading, "activations": saved.bytes(), "phase": phase_name[0]})
 
-    handles = [p.register_post_accumulate_grad_hook(sample) for p in model.parameters() if p.requires_grad]
-    handles += [m.register_forward_hook(sample) for m in model.modules()]
-    sample()
-    start_states = sum(samples[0][c] for c in CATEGORIES)
-    gc.collect()
-    rss = _rss()
-    if rss is not None:
-        _reset_peak_rss()
-        rss = _rss()
-    try:
-        for phase_name[0], run in phases:
+    def read_after(name, run):
+        def phase():
+            phase_name[0] = name
             with saved.hooks():
                 run()
             sample()
+        return name, phase
+
+    handles = [p.register_post_accumulate_grad_hook(sample) for p in model.parameters() if p.requires_grad]
+    handles += [m.register_forward_hook(sample) for m in model.modules()]
+    try:
+        sample()
+        phases = [read_after(name, run) for name, run in phases]
+        figures = dict(cuda=cuda_step_memory(phases, device)) if device.type == "cuda" else _rss_step(phases, samples[0])
     finally:
         for handle in handles:
             handle.remove()
-    end = _rss()
+    figures.setdefault("peak", figures.get("cuda", {}).get("peak"))
     activations = max(s["activations"] for s in samples if s["phase"] == "forward")
-    return dict(samples=samples, activations=activations,
-                peak=None if rss is None else start_states + end["VmHWM"] - rss["VmRSS"],
-                peak_rss=None if rss is None else end["VmHWM"])
+    return dict(samples=samples, activations=activations, **figures)
+
+
+def _rss_step(phases, start: dict) -> dict:
+    """Run the phases on CPU: peak = model states at the start + peak RSS growth (Linux)."""
+    gc.collect()
+    if _libc is not None:
+        _reset_peak_rss()
+    before = _rss()
+    for _, run in phases:
+        run()
+    if before is None:
+        return dict(peak=None, peak_rss=None)
+    after = _rss()
+    return dict(peak=sum(start[c] for c in CATEGORIES) + after["VmHWM"] - before["VmRSS"], peak_rss=after["VmHWM"])
 
 
 def cuda_step_memory(phases, device, cuda=torch.cuda) -> dict:
@@ -251,15 +266,11 @@ def run_config(row: str, config: GPTConfig, timed_steps: int = 2, decompose=deco
     phases = step_phases(model, optimizer, *batches[1])
     figures = dict(psi=psi, formula={k: float(v) for k, v in formula(row, psi, nd).items()},
                    comm_formula=float(comm_formula(row, psi, nd)))
-    if device.type == "cuda":
-        figures["cuda"] = cuda_step_memory(phases, device)
-        figures["peak"] = figures["cuda"]["peak"]
-    else:
-        figures.update(cpu_step_memory(model, optimizer, phases))
-        after_backward = next(s for s in reversed(figures["samples"]) if s["phase"] == "backward")
-        figures["model_states"] = {c: after_backward[c] for c in CATEGORIES}
-        if figures["peak"] is not None:
-            figures["residual"] = decompose(figures["samples"], figures["formula"], figures["peak"])
+    figures.update(step_memory(model, optimizer, phases, device))
+    after_backward = next(s for s in reversed(figures["samples"]) if s["phase"] == "backward")
+    figures["model_states"] = {c: after_backward[c] for c in CATEGORIES}
+    if figures["peak"] is not None:
+        figures["residual"] = decompose(figures["samples"], figures["formula"], figures["peak"])
     if timed_steps:
         figures.update(_timed_steps(model, optimizer, batches[2:], device))
     del model, optimizer
@@ -286,7 +297,10 @@ def _timed_steps(model, optimizer, batches, device) -> dict:
 
 def peak_over_ranks(row: str, config: GPTConfig) -> int:
     """The largest measured peak of any rank for one measured step of `config`."""
-    peak = torch.tensor(float(run_config(row, config, timed_steps=0)["peak"] or 0), device=_device())
+    peak = run_config(row, config, timed_steps=0)["peak"]
+    if peak is None:
+        raise RuntimeError("the fit search needs a measured peak: Linux (peak RSS) or a GPU (allocator)")
+    peak = torch.tensor(float(peak), device=_device())
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return int(peak.item())
 
