@@ -33,6 +33,7 @@ import contextlib
 import ctypes
 import gc
 import json
+import math
 import os
 import platform
 import statistics
@@ -81,8 +82,22 @@ def fit_config(depth: int, width: int) -> GPTConfig:
 
 def formula(row: str, psi: int, nd: int) -> dict:
     """The paper's model-state bytes per rank and category (bf16 compute, fp32 master: K = 12).
-    Offload moves stage 2's partitioned states to the host: the same total per rank, 2Ψ on the GPU."""
-    return memory.model_states_per_device(psi, nd, ROWS[row]["stage"])
+
+    Offload (zero_lab.offload, lesson 06) keeps stage 2's partitioned states on the host and, as
+    DeepSpeed's estimators count, an fp32 gradient shard there: 2Ψ on the device + 16Ψ/Nd on the host.
+    """
+    states = memory.model_states_per_device(psi, nd, ROWS[row]["stage"])
+    if ROWS[row].get("offload"):
+        states["gradients"] = Fraction(4 * psi, nd)
+    return states
+
+
+def predicted_fit(row: str, budget: int, nd: int, device_only: bool) -> int:
+    """The largest Ψ whose formula bytes fit the budget. device_only (a GPU): offload counts its
+    2Ψ on the device; on CPU the simulated device and the host share one memory: every byte counts."""
+    per_param = formula(row, 1, nd)
+    per_param = per_param["parameters"] if device_only and ROWS[row].get("offload") else sum(per_param.values())
+    return math.floor(Fraction(budget) / per_param)
 
 
 def comm_formula(row: str, psi: int, nd: int) -> Fraction:
@@ -433,14 +448,14 @@ def throughput_table(run: Run, size: str) -> str:
 def fit_table(run: Run) -> str:
     budget = run.config["fit_budget_bytes"]
     lines = [f"budget {_mb(budget)} MiB per rank; measured: largest (depth, width) of the GPT family that "
-             "completes a step under it; formula: model states only (lesson 01's max_trainable_params)",
+             "completes a step under it; formula: the largest model whose model states alone fit (predicted_fit)",
              f"{'row':>16} {'Nd':>3} {'measured psi':>13} {'(depth, width)':>15} {'formula psi':>12}"]
     for nd, rows in run.results.items():
         for row, result in rows.items():
             if "fit" not in result:
                 continue
             fit = result["fit"]
-            predicted = memory.max_trainable_params(budget, nd, ROWS[row]["stage"])
+            predicted = predicted_fit(row, budget, nd, run.measurement == CUDA_MEASUREMENT)
             shape = "-" if fit is None else f"({fit['depth']}, {fit['width']})"
             lines.append(f"{row:>16} {nd:>3} {fit['psi'] if fit else 0:>13,} {shape:>15} {predicted:>12,}")
     return "\n".join(lines)
@@ -504,7 +519,7 @@ def plot_fit(run: Run, ax=None):
             continue
         fits = [run.results[nd][row]["fit"] for nd in nds]
         ax.plot(nds, [f["psi"] / 1e6 if f else 0 for f in fits], "o-", color=f"C{index}", label=f"{row} measured")
-        ax.plot(nds, [memory.max_trainable_params(budget, nd, ROWS[row]["stage"]) / 1e6 for nd in nds], "--",
+        ax.plot(nds, [predicted_fit(row, budget, nd, run.measurement == CUDA_MEASUREMENT) / 1e6 for nd in nds], "--",
                 color=f"C{index}", label=f"{row} formula")
     ax.set_xlabel("Nd (ranks)")
     ax.set_ylabel("largest model (M parameters)")
