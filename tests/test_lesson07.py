@@ -1,11 +1,13 @@
 """Lesson 07, benchmarks/memory_vs_formula.py: every stage's measured model states against the
 formula, the residual's bookkeeping, the rows this build refuses, the JSON files, and the CUDA
-probe's bookkeeping against a stand-in for torch.cuda (a plumbing test, not a GPU result).
+probe's bookkeeping against a stand-in for torch.cuda (a plumbing test, not a GPU result), and
+the lesson's graded tests against typical wrong answers.
 
 Lean on purpose: one launch per world size (2 and 3: uneven padding) of a tiny GPT.
 """
 
 import importlib.util
+import math
 import sys
 from fractions import Fraction
 from unittest import mock
@@ -14,7 +16,9 @@ import matplotlib
 import pytest
 
 from zero_lab import launch, memory
-from zero_lab.benchmark import RESIDUAL_PARTS
+from zero_lab.benchmark import RESIDUAL_PARTS, decompose_residual, largest_that_fits
+from zero_lab.course_tools import build
+from zero_lab.memory_ledger import CATEGORIES
 from zero_lab.course_tools.implementation import REPO
 from zero_lab.models import GPT, GPTConfig
 from zero_lab.zero1 import ShardLayout
@@ -141,3 +145,75 @@ def test_cuda_probe_bookkeeping_with_a_stand_in():
     assert figures["peak"] == 2100, "the step's own peak, not the one before the reset"
     assert figures["max_reserved"] == 8192 and figures["inactive_split"] == 512
     assert figures["device_total"] == 100_000 and figures["outside_allocator"] == 300
+
+
+# --- the graded tests catch typical wrong answers (run without a kernel: the cells are exec'd) ----
+
+def _test_cell(test_id: str) -> str:
+    """The full test cell, hidden tests included, of the lesson's source notebook."""
+    notebook = build.read_notebook(build.source_notebook(REPO, "07_benchmarks"))
+    source = next(c.source for c in notebook.cells if c.source.startswith(f"#| test {test_id} "))
+    return source.replace("### BEGIN HIDDEN TESTS", "").replace("### END HIDDEN TESTS", "")
+
+
+def _passes(test_id: str, **answers) -> bool:
+    try:
+        exec(_test_cell(test_id), {"math": math, "Fraction": Fraction, "RESIDUAL_PARTS": RESIDUAL_PARTS, **answers})
+    except AssertionError:
+        return False
+    return True
+
+
+def _read_at(pick):
+    """decompose_residual reading its parts at the sample `pick(samples)` chooses."""
+    def decompose(samples, formula, peak):
+        at, total = pick(samples), lambda s: sum(s[c] for c in CATEGORIES) + s["activations"]
+        return {"activations": at["activations"], "gathered parameters": at["parameters"] - formula["parameters"],
+                "gradient buckets": at["gradients"] - formula["gradients"],
+                "optimizer states": sum(at[c] - formula[c] for c in ("master_params", "optimizer_states")),
+                "temporaries": peak - total(at)}
+    return decompose
+
+
+def _each_part_at_its_own_maximum(samples, formula, peak):
+    return _read_at(lambda ss: {k: max(s[k] for s in ss) for k in [*CATEGORIES, "activations"]})(samples, formula, peak)
+
+
+def _search(keep):
+    """largest_that_fits with `keep(depth, widths, fits)` -> the width kept for one depth (or None)."""
+    def search(depths, widths, fits, num_params):
+        best = None
+        for depth in depths:
+            width = keep(depth, widths, fits)
+            if width is not None and (best is None or num_params(depth, width) > num_params(*best)):
+                best = (depth, width)
+        return best
+    return search
+
+
+def _linear_scan(depth, widths, fits):
+    return next((w for w in reversed(widths) if fits(depth, w)), None)
+
+
+def _binary_search_missing_the_last_width(depth, widths, fits):
+    lo, hi = 0, len(widths) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if fits(depth, widths[mid]) else (lo, mid)
+    return widths[lo] if fits(depth, widths[lo]) else None
+
+
+def _widest(depths, widths, fits, num_params):
+    return largest_that_fits(depths, widths, fits, lambda depth, width: width)
+
+
+def test_graded_tests_catch_typical_wrong_answers():
+    total = lambda s: sum(s[c] for c in CATEGORIES) + s["activations"]  # noqa: E731
+    assert _passes("residual", decompose_residual=decompose_residual)
+    for wrong in (_each_part_at_its_own_maximum, _read_at(lambda ss: ss[-1]),
+                  _read_at(lambda ss: max(ss, key=lambda s: sum(s[c] for c in CATEGORIES)))):
+        assert not _passes("residual", decompose_residual=wrong), wrong
+    assert _passes("residual", decompose_residual=_read_at(lambda ss: max(ss, key=total))), "the harness itself"
+    assert _passes("fit_search", largest_that_fits=largest_that_fits)
+    for wrong in (_search(_linear_scan), _search(_binary_search_missing_the_last_width), _widest):
+        assert not _passes("fit_search", largest_that_fits=wrong), wrong
