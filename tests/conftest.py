@@ -5,7 +5,8 @@
         assert report.by_id["test_ring_all_reduce"].earned == 0
 
 Both editions of a lesson are graded in one nbgrader run (one gradebook, two students), two
-lessons at a time in the background, starting with the lessons the collected tests ask for.
+lessons at a time in the background: the lessons the collected tests name (a `lesson`
+parameter) start right after collection, while other tests run.
 """
 
 from __future__ import annotations
@@ -59,14 +60,20 @@ def pytest_collection_modifyitems(config, items):
             lesson = getattr(item, "callspec", None) and item.callspec.params.get("lesson")
             if lesson and lesson not in lessons:
                 lessons.append(lesson)
-    config.graded_lessons = lessons
+    if lessons:
+        config.grader = Graded(lessons)
+
+
+def pytest_unconfigure(config):
+    if hasattr(config, "grader"):
+        config.grader.pool.shutdown(cancel_futures=True)
 
 
 @pytest.fixture(scope="session")
 def graded(request):
-    grader = Graded(getattr(request.config, "graded_lessons", []))
-    yield grader
-    grader.pool.shutdown(cancel_futures=True)
+    if not hasattr(request.config, "grader"):
+        request.config.grader = Graded([])
+    return request.config.grader
 
 
 COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", "work", "mine", "__pycache__", ".pytest_cache", "*.egg-info",

@@ -44,6 +44,7 @@ class LessonModules:
 
     def __init__(self, directory: Path | None = None, mine: set[str] = frozenset()):
         self.directory, self.mine, self.announced = directory, mine, set()
+        self.pid = os.getpid()  # not in ranks forked from the notebook's kernel
 
     def find_spec(self, fullname, path=None, target=None):
         package, _, name = fullname.rpartition(".")
@@ -57,7 +58,7 @@ class LessonModules:
             if spec is None or not is_lesson_module(Path(spec.origin)):
                 return None
             whose = "the course's reference implementation"
-        if in_notebook() and fullname not in self.announced:
+        if in_notebook() and os.getpid() == self.pid and fullname not in self.announced:
             self.announced.add(fullname)
             print(f"{fullname}: {whose}", flush=True)
         return spec
