@@ -18,6 +18,7 @@ from pathlib import Path
 
 import nbformat
 
+from zero_lab import questions
 from zero_lab.implementation import REPO
 
 CONFIG_NAME = "nbgrader_config.py"
@@ -244,6 +245,7 @@ def render(repo: Path, lessons: list[str]) -> Rendered:
             if path.is_file():
                 relative = path.relative_to(root).as_posix()
                 files[relative] = notebook_text(read_notebook(path)).encode() if path.suffix == ".ipynb" else path.read_bytes()
+    files.update(questions.generated_files(repo))  # docs/questions.md, the index of lesson 08
     return Rendered(sources, files)
 
 

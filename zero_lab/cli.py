@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from zero_lab import build, grading
+from zero_lab import build, grading, questions
 from zero_lab.implementation import mine_dir
 
 
@@ -40,6 +40,11 @@ def run_mine(args) -> int:
     return 0
 
 
+def run_ask(args) -> int:
+    print(questions.ask(args.words))
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     main_parser = argparse.ArgumentParser(prog="zero-lab", description=__doc__)
     commands = main_parser.add_subparsers(dest="command", required=True)
@@ -70,6 +75,12 @@ def parser() -> argparse.ArgumentParser:
     mine_parser.add_argument("--to", type=Path, default=mine_dir(), metavar="DIR",
                              help="destination folder (default: $ZERO_LAB_MINE_DIR or <repo>/mine)")
     mine_parser.set_defaults(run=run_mine)
+
+    ask_parser = commands.add_parser("ask", help="search the interview questions of lesson 08",
+                                     description="Print the questions matching WORDS, their short answers and where "
+                                                 "their runnable cells are (index: docs/questions.md).")
+    ask_parser.add_argument("words", nargs="+", metavar="WORDS")
+    ask_parser.set_defaults(run=run_ask)
     return main_parser
 
 
