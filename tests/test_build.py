@@ -9,7 +9,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from zero_lab import build
+from zero_lab.course_tools import build
 
 FIXTURE = Path(__file__).parent / "fixtures" / "99_fixture"
 LESSON = "99_fixture"

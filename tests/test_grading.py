@@ -8,8 +8,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from zero_lab import build, grading
-from zero_lab.implementation import REPO
+from zero_lab.course_tools import build, grading
+from zero_lab.course_tools.implementation import REPO
 
 FIXTURE = Path(__file__).parent / "fixtures" / "99_fixture"
 LESSONS = build.find_lessons(REPO) or [pytest.param(None, marks=pytest.mark.skip(reason="no lesson in solutions/ yet"))]

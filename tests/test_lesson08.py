@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 import zero_lab
-from zero_lab import build, cli, questions
-from zero_lab.implementation import REPO
+from zero_lab.course_tools import build, cli, questions
+from zero_lab.course_tools.implementation import REPO
 
 NOTEBOOK = build.source_notebook(REPO, questions.LESSON)
 SEED_QUESTIONS = REPO.parent / "shared" / "reference" / "seed-questions.md"

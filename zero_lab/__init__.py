@@ -1,6 +1,6 @@
 """zero-lab: build ZeRO yourself. Lessons export their modules here; see README.md."""
 
-from zero_lab import implementation
+from zero_lab.course_tools import implementation
 
 # First, so that with ZERO_LAB_IMPL=mine every later `import zero_lab.<module>` finds the
 # learner's own code.

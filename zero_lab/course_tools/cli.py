@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from zero_lab import build, grading, questions
-from zero_lab.implementation import mine_dir
+from zero_lab.course_tools import build, grading, questions
+from zero_lab.course_tools.implementation import mine_dir
 
 
 def run_build(args) -> int:

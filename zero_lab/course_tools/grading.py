@@ -18,8 +18,8 @@ from pathlib import Path
 from nbgrader.api import Gradebook
 from traitlets.config.loader import PyFileConfigLoader
 
-from zero_lab import build
-from zero_lab.implementation import REPO
+from zero_lab.course_tools import build
+from zero_lab.course_tools.implementation import REPO
 
 STUDENT = "learner"
 # Backstop for the whole autograde run: well above the sum of the lessons' cell timeouts.

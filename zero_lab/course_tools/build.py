@@ -18,8 +18,8 @@ from pathlib import Path
 
 import nbformat
 
-from zero_lab import questions
-from zero_lab.implementation import REPO
+from zero_lab.course_tools import questions
+from zero_lab.course_tools.implementation import REPO
 
 CONFIG_NAME = "nbgrader_config.py"
 SOURCE_DIR, COURSE_DIR, PACKAGE_DIR = "solutions", "course", "zero_lab"

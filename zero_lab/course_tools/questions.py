@@ -18,7 +18,7 @@ from pathlib import Path
 
 import nbformat
 
-from zero_lab.implementation import REPO
+from zero_lab.course_tools.implementation import REPO
 
 LESSON = "08_interview"
 INDEX = "docs/questions.md"
