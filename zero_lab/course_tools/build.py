@@ -21,6 +21,7 @@ from pathlib import Path
 import nbformat
 from nbgrader.preprocessors import NbGraderPreprocessor
 
+from zero_lab.course_tools import questions
 from zero_lab.course_tools.implementation import REPO
 
 CONFIG_NAME = "nbgrader_config.py"
@@ -283,6 +284,7 @@ def render(repo: Path, lessons: list[str]) -> Rendered:
             if path.is_file():
                 relative = path.relative_to(root).as_posix()
                 files[relative] = notebook_text(read_notebook(path)).encode() if path.suffix == ".ipynb" else path.read_bytes()
+    files.update(questions.generated_files(repo))  # docs/questions.md, the index of lesson 08
     return Rendered(sources, files)
 
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from zero_lab.course_tools import build, grading, workspace
+from zero_lab.course_tools import build, grading, questions, workspace
 from zero_lab.course_tools.implementation import REPO, mine_dir
 
 
@@ -67,6 +67,11 @@ def run_mine(args) -> int:
     return 0
 
 
+def run_ask(args) -> int:
+    print(questions.ask(args.words))
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     main_parser = argparse.ArgumentParser(prog="zero-lab", description=__doc__)
     commands = main_parser.add_subparsers(dest="command", required=True)
@@ -120,6 +125,12 @@ def parser() -> argparse.ArgumentParser:
     hand_in_parser.add_argument("student", help="the student's id")
     hand_in_parser.add_argument("notebook", type=Path, help="the student's notebook")
     hand_in_parser.set_defaults(run=run_hand_in)
+
+    ask_parser = commands.add_parser("ask", help="search the interview questions of lesson 08",
+                                     description="Print the questions matching WORDS, their short answers and where "
+                                                 "their runnable cells are (index: docs/questions.md).")
+    ask_parser.add_argument("words", nargs="+", metavar="WORDS")
+    ask_parser.set_defaults(run=run_ask)
     return main_parser
 
 

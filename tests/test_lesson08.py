@@ -1,0 +1,142 @@
+"""Lesson 08, the interview question bank: every seed question answered, the index, `zero-lab ask`,
+and the drills' tests catching typical wrong answers (run in-process: grading the whole notebook
+is test_grading.py's job)."""
+
+import re
+from fractions import Fraction
+
+import nbformat
+import pytest
+import torch
+import torch.distributed as dist
+
+import zero_lab
+from zero_lab.course_tools import build, cli, questions
+from zero_lab.course_tools.implementation import REPO
+
+NOTEBOOK = build.source_notebook(REPO, questions.LESSON)
+SEED_QUESTIONS = REPO.parent / "shared" / "reference" / "seed-questions.md"
+
+
+@pytest.fixture(scope="module")
+def notebook():
+    return nbformat.read(NOTEBOOK, as_version=4)
+
+
+@pytest.fixture(scope="module")
+def bank(notebook):
+    return questions.collect(notebook)
+
+
+@pytest.mark.skipif(not SEED_QUESTIONS.is_file(), reason="../shared/reference/seed-questions.md is not here")
+def test_every_seed_question_has_a_tagged_answer(bank):
+    seeds = questions.seed_ids(SEED_QUESTIONS)
+    assert len(seeds) == 77
+    answered = {q.id for q in bank if q.kind == "seed"}
+    assert not set(seeds) - answered, f"unanswered: {sorted(set(seeds) - answered)}"
+    assert not answered - set(seeds), f"not in seed-questions.md: {sorted(answered - set(seeds))}"
+
+
+def test_answers_are_well_formed(bank):
+    assert len([q for q in bank if q.kind == "q"]) >= 20, "at least 20 questions beyond the seeds"
+    assert len({q.id for q in bank}) == len(bank)
+    for q in bank:
+        assert 80 <= len(q.short_answer) <= 1500, f"{q.id}: a short answer of a few sentences"
+    measured = [q for q in bank if q.cells]
+    assert len(measured) >= 0.7 * len(bank), "most answers are backed by a runnable cell"
+
+
+def test_tags_must_follow_their_question():
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1", metadata={"tags": ["seed:000-I1"]})])
+    with pytest.raises(ValueError, match="before its question"):
+        questions.collect(nb)
+    nb.cells = [nbformat.v4.new_markdown_cell("### 000-I2 · Wrong id\n\nText.", metadata={"tags": ["seed:000-I1"]})]
+    with pytest.raises(ValueError, match="000-I1"):
+        questions.collect(nb)
+
+
+def test_index_lists_every_question_and_is_generated(bank):
+    index = (REPO / questions.INDEX).read_text()
+    assert index == questions.index_markdown(bank), "run `zero-lab build`"
+    for q in bank:
+        assert f"| `{q.id}` |" in index
+    assert questions.INDEX in questions.generated_files(REPO)
+
+
+def test_ask_prints_the_best_matches(capsys):
+    assert cli.main(["ask", "stage", "3", "communication", "1.5"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("stage3-1.5x · Why does stage 3 cost 1.5×")
+    assert "course/08_interview/08_interview.ipynb" in out and "q:stage3-1.5x" in out
+    assert "No question matches" in questions.ask(["xyzzy"])
+
+
+# Drills: typical wrong answers fail the tests, hidden ones included (the reference's full marks are
+# checked by test_grading.py).
+
+def _cells(nb, pattern):
+    return {m[1]: c.source for c in nb.cells if c.cell_type == "code" and (m := re.match(pattern, c.source))}
+
+
+def _run_drill(nb, test_id, replacement=None):
+    """Exec the drills' reference solutions (one replaced by `replacement`), then test `test_id`."""
+    namespace = {"Fraction": Fraction, "torch": torch, "dist": dist, "zero_lab": zero_lab}
+    for source in _cells(nb, r"#\| solution (drill-\S+)").values():
+        exec(source, namespace)
+    if replacement:
+        exec(replacement, namespace)
+    exec(_cells(nb, r"#\| test (test_\S+)")[test_id], namespace)
+
+
+MUTANTS = {
+    "test_bytes_per_device": [
+        # stage 2 also shards the parameters
+        "def bytes_per_device(psi, stage, nd, mixed=True):\n"
+        "    return Fraction(psi) * (16 if stage == 0 else (4 + Fraction(12, nd) if stage == 1 else Fraction(16, nd)))",
+        # fp32 counted with a separate master copy (K = 12)
+        "def bytes_per_device(psi, stage, nd, mixed=True):\n"
+        "    w = 2 if mixed else 4\n"
+        "    return Fraction(psi) * (Fraction(w, nd if stage == 3 else 1) + Fraction(w, nd if stage >= 2 else 1)\n"
+        "                            + Fraction(12, nd if stage >= 1 else 1))",
+    ],
+    "test_bytes_sent_per_step": [
+        # ZeRO-3 "costs the same as DDP"
+        "def bytes_sent_per_step(psi, stage, nd, element_bytes, micro_steps=1):\n"
+        "    return Fraction(2 * (nd - 1) * psi * element_bytes, nd)",
+        # stage 2 accumulates locally like stage 1
+        "def bytes_sent_per_step(psi, stage, nd, element_bytes, micro_steps=1):\n"
+        "    return Fraction((3 * micro_steps if stage == 3 else 2) * (nd - 1) * psi * element_bytes, nd)",
+    ],
+    "test_largest_model": [
+        "def largest_model(device_bytes, stage, nd):\n    return int(device_bytes // 16)",
+    ],
+    "test_shard_range": [
+        # the snippet's bug: the last numel % world_size elements belong to nobody
+        "def shard_range(numel, rank, world_size):\n"
+        "    size = numel // world_size\n"
+        "    return rank * size, (rank + 1) * size",
+        # ceiling sizes without clamping: the last ranks run past the end
+        "def shard_range(numel, rank, world_size):\n"
+        "    size = -(-numel // world_size)\n"
+        "    return rank * size, (rank + 1) * size",
+    ],
+    "test_sharded_sgd_step": [
+        # sum instead of mean
+        "def sharded_sgd_step(flat_params, flat_grads, lr):\n"
+        "    rank, n = dist.get_rank(), dist.get_world_size()\n"
+        "    shard = torch.empty(flat_grads.numel() // n)\n"
+        "    dist.reduce_scatter_single(shard, flat_grads)\n"
+        "    dist.all_gather_single(flat_params, flat_params.chunk(n)[rank] - lr * shard)",
+        # all-reduce, then every rank updates everything: right numbers, DDP's collectives
+        "def sharded_sgd_step(flat_params, flat_grads, lr):\n"
+        "    dist.all_reduce(flat_grads)\n"
+        "    flat_params -= lr * flat_grads / dist.get_world_size()",
+    ],
+}
+
+
+@pytest.mark.parametrize("test_id, mutant", [(t, m) for t, ms in MUTANTS.items() for m in ms],
+                         ids=[f"{t}-{i}" for t, ms in MUTANTS.items() for i in range(len(ms))])
+def test_typical_wrong_answers_fail(notebook, test_id, mutant):
+    with pytest.raises((AssertionError, zero_lab.RankFailed)):
+        _run_drill(notebook, test_id, mutant)
