@@ -15,6 +15,8 @@ from zero_lab.course_tools import build, grading
 from zero_lab.course_tools.implementation import REPO
 
 FIXTURE = Path(__file__).parent / "fixtures" / "99_fixture"
+# Setting up `fixture_reports` autogrades four notebooks (and one again): minutes on a busy machine.
+pytestmark = pytest.mark.timeout(1200)
 LESSONS = build.find_lessons(REPO) or [pytest.param(None, marks=pytest.mark.skip(reason="no lesson in solutions/ yet"))]
 
 
@@ -125,3 +127,12 @@ def test_score_table_gives_points_and_reasons():
         "------  ------",
         "total    2 / 3",
     ]
+
+
+def test_demo_cells_are_dropped_from_the_graded_copy(tmp_path):
+    tagged = {"demo": ["demo"], "answer": ["seed:zero-stages"], "question": ["q:why"], "kept": ["raises-exception"]}
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(name, metadata={"tags": tags})
+                                         for name, tags in tagged.items()])
+    nbformat.write(nb, tmp_path / "nb.ipynb")
+    grading.drop_demo_cells(tmp_path / "nb.ipynb")
+    assert [c.source for c in build.read_notebook(tmp_path / "nb.ipynb").cells] == ["kept"]

@@ -4,7 +4,8 @@ nbgrader keeps the hidden tests in its gradebook, so grading builds a throwaway 
 temporary folder: the lesson's source from solutions/ goes through `generate_assignment`
 (which records every test cell, hidden parts included), each notebook to grade becomes the
 submission of one student, and `nbgrader autograde` runs them with the test cells restored
-from the gradebook (confined as sandbox.py says). A cell that hangs is interrupted after
+from the gradebook (confined as sandbox.py says). Demo cells (tagged `demo`, `seed:<id>` or
+`q:<id>`) are dropped from the graded copy: they must define nothing a test needs. A cell that hangs is interrupted after
 `Execute.timeout` (nbgrader_config.py); test cells also give `zero_lab.launch` a short
 timeout of their own. If a cell kills the kernel, that cell is skipped and the notebook graded
 again. Each lost point comes with a one-line reason taken from the test cell's error (its
@@ -90,10 +91,11 @@ def reason(error: dict | None, earned: float, possible: float) -> str:
     if name == "RuntimeError" and value == grading_kernel.KILLED:
         return "the kernel died in this cell (os._exit, a crash or out of memory)"
     if name == "NotImplementedError":
-        frames = FRAME.findall(ANSI.sub("", "\n".join(error.get("traceback", []))))
-        where = re.findall(r"(\w+)\(\) is not written yet", "\n".join(error.get("traceback", [])))
-        function = (where or frames or [""])[-1]
-        return f"not attempted: {function + '() ' if function and not function.startswith('<') else ''}raises NotImplementedError"
+        # The notebook's one-line message (course_tools/notebook.py) names the function, or
+        # IPython's traceback, whose frames read "File ..., line N, in function".
+        traceback = ANSI.sub("", "\n".join(error.get("traceback", [])))
+        named = re.findall(r"(\w+)\(\) is not written yet", traceback) or re.findall(r", in (\w+)", traceback)
+        return f"not attempted: {named[-1]}() raises NotImplementedError" if named else "not attempted (NotImplementedError)"
     if name == "RankFailed":
         rank_error = value.strip().splitlines()
         header, last = rank_error[0].rstrip(":"), rank_error[-1] if len(rank_error) > 1 else ""
@@ -109,6 +111,18 @@ def reason(error: dict | None, earned: float, possible: float) -> str:
     if name == "AssertionError":
         return f"AssertionError: {first_line(value)}" if first_line(value) else "AssertionError (a check failed)"
     return f"{name}: {first_line(value)}"
+
+
+def is_demo(cell) -> bool:
+    """A cell no test needs: tagged `demo`, or an interview answer (`seed:<id>`, `q:<id>`)."""
+    tags = cell.metadata.get("tags", [])
+    return cell.cell_type == "code" and any(t == "demo" or t.startswith(("seed:", "q:")) for t in tags)
+
+
+def drop_demo_cells(notebook: Path) -> None:
+    nb = build.read_notebook(notebook)
+    nb.cells = [cell for cell in nb.cells if not is_demo(cell)]
+    notebook.write_text(build.notebook_text(nb))
 
 
 def lesson_of(notebook: Path, repo: Path) -> str:
@@ -149,6 +163,7 @@ def grade_many(lesson: str, notebooks: dict[str, Path], repo: Path = REPO,
         cells = {}
         for student, path in notebooks.items():
             submission = hand_in(root, lesson, student, path)
+            drop_demo_cells(submission / f"{lesson}.ipynb")  # grading runs what tests need, quickly
             cells[student] = sum(c.cell_type == "code" for c in build.read_notebook(submission / f"{lesson}.ipynb").cells)
         notes = {student: [] for student in notebooks}
         killed = autograde(root, lesson, list(notebooks), state, cells, progress)
@@ -173,7 +188,8 @@ def autograde(root: Path, lesson: str, students: list[str], state: Path, cells: 
               progress: Callable[[str], None] | None) -> dict[str, str]:
     """Run `nbgrader autograde` for these students; return {student: source of the cell that
     killed the kernel} for those whose kernel died."""
-    env = dict(os.environ, ZERO_LAB_GRADE_STATE=str(state))
+    # Earlier lessons' modules are the reference: a lesson is graded on its own exercises.
+    env = dict(os.environ, ZERO_LAB_GRADE_STATE=str(state), ZERO_LAB_IMPL="reference")
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     args = ["autograde", lesson, "--force", *(["--student", students[0]] if len(students) == 1 else [])]
     log = root / "autograde.log"
@@ -190,24 +206,31 @@ def autograde(root: Path, lesson: str, students: list[str], state: Path, cells: 
                 progress(line)
                 shown = line
             time.sleep(0.5)
-    text = log.read_text()
+    log_text = log.read_text()
+    kernel_died = "DeadKernelError" in log_text or "Kernel died" in log_text
     killed = {}
     for student in students:
-        running = state / f"running-{student}"
-        source = running.read_text().split("\n", 1)[1] if running.exists() and "\n" in running.read_text() else ""
-        if source and not (root / "autograded" / student / lesson / f"{lesson}.ipynb").exists():
+        count, source = running_cell(state, student)
+        graded = (root / "autograded" / student / lesson / f"{lesson}.ipynb").exists()
+        if kernel_died and count and not graded:  # its kernel died in the middle of this cell
             killed[student] = source
     if process.returncode != 0 and not killed:
-        raise GradingError(f"`nbgrader {' '.join(args)}` failed:\n{text}")
+        raise GradingError(f"`nbgrader {' '.join(args)}` failed:\n{log_text}")
     return killed
+
+
+def running_cell(state: Path, student: str) -> tuple[str, str]:
+    """(count, source) of the cell the student's kernel is running, ('', '') between cells."""
+    running = state / f"running-{student}"
+    text = running.read_text() if running.exists() else ""
+    count, _, source = text.partition("\n")
+    return count, source
 
 
 def status_line(lesson: str, students: list[str], state: Path, cells: dict[str, int], elapsed: float) -> str:
     for student in students:
-        running = state / f"running-{student}"
-        text = running.read_text() if running.exists() else ""
-        if "\n" in text:
-            count, source = text.split("\n", 1)
+        count, source = running_cell(state, student)
+        if count:
             test = re.match(r"#\|\s*test\s+([\w-]+)", source.lstrip())
             doing = f"test {test[1]}" if test else f"cell {count} of {cells[student]}"
             who = f" ({student})" if len(students) > 1 else ""
