@@ -7,6 +7,11 @@
 
     activations = activation_bytes(model, lambda: model(tokens, targets)[1])
 
+    device = model_state_bytes(model, optimizer, placement="device")  # an offloading optimizer (lesson 06)
+    with TransferLedger() as moved:     # bytes copied between host and device inside the block
+        ...
+    moved.bytes                         # {"to_host": ..., "to_device": ...}
+
 What is counted is storage, not tensor names: a storage shared by several tensors (the GPT's
 tied embedding and LM head, views into one flat buffer) is counted once, in the first category
 that reaches it. Categories are filled in this order:
@@ -27,6 +32,13 @@ holds, so they report it themselves: if the optimizer has a method `model_state_
 returning {category: [tensors]}, that is used *instead of* the walk above. It must list
 everything the rank holds, including the model's own parameters and gradients if it keeps them.
 
+Offloading optimizers (lesson 06, zero_lab.offload) keep some states on the host (CPU memory)
+and the rest on the device. They take `model_state_tensors(placement)` with placement "device"
+or "host", and `model_state_bytes(..., placement=...)` counts only that side. Without an
+accelerator the device is simulated: its tensors are CPU tensors that the optimizer reports as
+device-resident, and the measurement says so. Their copies across the link go through
+`record_transfer`, which every active `TransferLedger` adds up by direction.
+
 Measurements: on CPU this is the only one (PyTorch's CPU allocator keeps no statistics): bytes
 of the live storages. On CUDA the report also carries torch.cuda.memory_allocated and
 max_memory_allocated, which include everything else on the device (activations, buffers,
@@ -35,12 +47,15 @@ the caching allocator's rounding), so they are at least the model-state total.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
 CATEGORIES = ("parameters", "gradients", "master_params", "optimizer_states")
+PLACEMENTS = ("device", "host")
+DIRECTIONS = ("to_host", "to_device")
 
 
 @dataclass
@@ -106,10 +121,17 @@ def _walk(model: torch.nn.Module, optimizer) -> tuple[dict[str, list[torch.Tenso
     return tensors, bookkeeping
 
 
-def model_state_bytes(model: torch.nn.Module, optimizer=None) -> MemoryReport:
-    """Bytes of parameters, gradients, master params and optimizer states this process holds."""
+def model_state_bytes(model: torch.nn.Module, optimizer=None, placement: str | None = None) -> MemoryReport:
+    """Bytes of parameters, gradients, master params and optimizer states this process holds
+    (placement "device" or "host": only those an offloading optimizer keeps there)."""
+    if placement is not None:
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS} or None, got {placement!r}")
+        if not hasattr(optimizer, "model_state_tensors") or not getattr(optimizer, "offloads", False):
+            raise ValueError("placement= needs an optimizer that offloads (zero_lab.offload): "
+                             "without one everything is on the model's device; leave placement out")
     if optimizer is not None and hasattr(optimizer, "model_state_tensors"):
-        tensors = optimizer.model_state_tensors()
+        tensors = optimizer.model_state_tensors(placement) if placement else optimizer.model_state_tensors()
         unknown = set(tensors) - set(CATEGORIES)
         if unknown:
             raise ValueError(f"model_state_tensors() returned unknown categories {sorted(unknown)}; use {CATEGORIES}")
@@ -125,6 +147,10 @@ def model_state_bytes(model: torch.nn.Module, optimizer=None) -> MemoryReport:
         bookkeeping_bytes=counter.add(bookkeeping),
     )
     all_tensors = [t for group in tensors.values() for t in group]
+    if placement == "device" and all_tensors and not any(t.is_cuda for t in all_tensors):
+        report.measurement += "; device simulated in CPU memory (no accelerator): what the optimizer places there"
+    elif placement == "host":
+        report.measurement += "; host (CPU) memory"
     cuda_devices = {t.device for t in all_tensors if t.is_cuda}
     if cuda_devices:
         device = min(cuda_devices, key=lambda d: d.index or 0)
@@ -132,6 +158,42 @@ def model_state_bytes(model: torch.nn.Module, optimizer=None) -> MemoryReport:
         report.cuda_allocated_bytes = torch.cuda.memory_allocated(device)
         report.cuda_max_allocated_bytes = torch.cuda.max_memory_allocated(device)
     return report
+
+
+_transfer_ledgers: list["TransferLedger"] = []
+_transfer_lock = threading.Lock()
+
+
+class TransferLedger:
+    """Bytes copied between host and device inside a `with` block, by direction.
+
+    >>> with TransferLedger() as moved:
+    ...     optimizer.step()
+    >>> moved.bytes["to_device"], moved.calls["to_host"]
+    """
+
+    def __init__(self):
+        self.bytes = dict.fromkeys(DIRECTIONS, 0)
+        self.calls = dict.fromkeys(DIRECTIONS, 0)
+
+    def __enter__(self) -> "TransferLedger":
+        with _transfer_lock:
+            _transfer_ledgers.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with _transfer_lock:
+            _transfer_ledgers.remove(self)
+
+
+def record_transfer(direction: str, tensor: torch.Tensor) -> None:
+    """Called by whatever copies `tensor` across the host-device link (zero_lab.offload.Link)."""
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+    with _transfer_lock:
+        for ledger in _transfer_ledgers:
+            ledger.bytes[direction] += tensor.numel() * tensor.element_size()
+            ledger.calls[direction] += 1
 
 
 def activation_bytes(

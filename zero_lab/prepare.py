@@ -10,12 +10,22 @@
 stage 0  DDP (lesson 02, zero_lab.ddp): everything replicated, gradients all-reduced in buckets
 stage 1  P_os (lesson 03, zero_lab.zero1): optimizer states sharded
 stage 2  P_os+g (lesson 04, zero_lab.zero2): optimizer states and gradients sharded
+stage 3  P_os+g+p (lesson 05, zero_lab.zero3): parameters sharded too, gathered unit by unit
+stage 1-2 with offload="cpu"  ZeRO-Offload (lesson 06, zero_lab.offload): optimizer states and step on the host
 
 Options besides the optimizer's own (lr, betas, weight_decay, ...):
     params=         tensors or param-group dicts, as torch.optim takes them (default: all of the model's)
     param_dtype=    compute dtype, torch.bfloat16 for mixed precision (fp32 masters kept)
-    max_grad_norm=  stages 1-2: clip the global gradient norm in optimizer.step()
+    max_grad_norm=  stages 1-3: clip the global gradient norm in optimizer.step()
     bucket_numel=   stage 2: elements per gradient bucket
+    units=, prefetch=, max_live_numel=, reshard_last=, init_fn=
+                    stage 3: sharding units, prefetch depth and cap, meta-device init (zero_lab.zero3)
+    offload="cpu"   stages 1-2: ZeRO-Offload (lesson 06, zero_lab.offload): fp32 masters, Adam's states,
+                    gradient shards and the update on the host; the 16-bit parameters on the device
+    dpu_warmup_steps=  with offload: the one-step delayed parameter update after this many ordinary
+                    steps (None, the default: no delay; the paper's choice is 40); call optimizer.flush()
+                    before reading the weights
+    adam_threads=   with offload: threads of the host's AdamW (default 1)
 Defaults keep the model's dtype. Anything else is refused with an error that names the fix.
 Call it on every rank, inside zero_lab.launch or after zero_lab.init_distributed().
 
@@ -37,9 +47,13 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-MODULES = {0: "zero_lab.ddp", 1: "zero_lab.zero1", 2: "zero_lab.zero2"}
-LESSONS = {0: "02_ddp", 1: "03_zero1", 2: "04_zero2"}
-ZERO_OPTIONS = {0: {"param_dtype"}, 1: {"param_dtype", "max_grad_norm"}, 2: {"param_dtype", "max_grad_norm", "bucket_numel"}}
+MODULES = {0: "zero_lab.ddp", 1: "zero_lab.zero1", 2: "zero_lab.zero2", 3: "zero_lab.zero3"}
+LESSONS = {0: "02_ddp", 1: "03_zero1", 2: "04_zero2", 3: "05_zero3"}
+OFFLOAD_OPTIONS = {"offload", "dpu_warmup_steps", "adam_threads"}
+ZERO_OPTIONS = {0: {"param_dtype"}, 1: {"param_dtype", "max_grad_norm", *OFFLOAD_OPTIONS},
+                2: {"param_dtype", "max_grad_norm", "bucket_numel", *OFFLOAD_OPTIONS},
+                3: {"param_dtype", "max_grad_norm", "units", "prefetch", "max_live_numel", "reshard_last", "init_fn"}}
+OFFLOAD_MODULE, OFFLOAD_LESSON = "zero_lab.offload", "06_offload"
 PARAM_DTYPES = (torch.float32, torch.bfloat16)
 _prepared = WeakIdKeyDictionary()  # model -> what prepare made of it last (holds its gradient hooks)
 
@@ -51,28 +65,33 @@ def prepare(model: torch.nn.Module, optimizer_class: type, stage: int = 0, *, pa
     zero_options = {k: options.pop(k) for k in list(options) if k in ZERO_OPTIONS[stage]}
     _check_options(optimizer_class, stage, options)
     _check_dtypes(model, zero_options.get("param_dtype"))
+    offload = _check_offload(zero_options)
+    module_name, lesson = (OFFLOAD_MODULE, OFFLOAD_LESSON) if offload else (MODULES[stage], LESSONS[stage])
     try:
-        module = importlib.import_module(MODULES[stage])
+        module = importlib.import_module(module_name)
     except ModuleNotFoundError as missing:
-        if missing.name != MODULES[stage]:
+        if missing.name != module_name:
             raise
-        raise RuntimeError(f"stage {stage} needs {MODULES[stage]}, which does not exist yet: "
-                           f"run `zero-lab build {LESSONS[stage]}`") from None
+        raise RuntimeError(f"stage {stage}{' with offload' if offload else ''} needs {module_name}, which does not "
+                           f"exist yet: run `zero-lab build {lesson}`") from None
     param_dtype = zero_options.get("param_dtype")
     _warn_about_batch_norm(model)
     previous = _prepared.pop(model, None)
     if previous is not None:  # prepared before (a re-run cell): start afresh
         for handle in getattr(previous, "hook_handles", []):
             handle.remove()  # they would reduce every gradient again, or hand the new optimizer zeros
+        if hasattr(previous, "unshard_model"):  # stage 3 sharded the model in place: whole parameters again
+            previous.unshard_model()
         model.zero_grad(set_to_none=True)  # views into the old optimizer's buffers
     if stage == 0:
         wrapped, optimizer = _prepare_ddp(module, model, optimizer_class, params, param_dtype, options)
         _prepared[model] = wrapped
     else:
-        optimizer_type = module.Zero1Optimizer if stage == 1 else module.Zero2Optimizer
+        optimizer_type = (module.OFFLOAD_OPTIMIZERS[stage] if offload
+                          else getattr(module, {1: "Zero1Optimizer", 2: "Zero2Optimizer", 3: "Zero3Optimizer"}[stage]))
         wrapped = model
         _prepared[model] = optimizer = optimizer_type(model, optimizer_class, params, **zero_options, **options)
-    if param_dtype is not None:
+    if param_dtype is not None and stage < 3:  # stage 3 casts its shards and the buffers itself
         model.to(param_dtype)  # frozen parameters and buffers too; the fp32 masters were taken before
     return wrapped, optimizer
 
@@ -94,15 +113,12 @@ def _check_setup(model, optimizer_class, stage) -> None:
         raise RuntimeError("prepare needs a process group: call it inside zero_lab.launch(fn, world_size), "
                            "or after zero_lab.init_distributed() under torchrun")
     if type(stage) is not int:  # True == 1 and 1.0 == 1 would pass the checks below
-        raise TypeError(f"stage must be the int 0, 1 or 2, got {stage!r} ({type(stage).__name__})")
-    if stage == 3:
-        raise ValueError("stage 3 (P_os+g+p) is not built in this course: use FSDP2, "
-                         "torch.distributed.fsdp.fully_shard(model) (reshard_after_forward=True)")
+        raise TypeError(f"stage must be the int 0, 1, 2 or 3, got {stage!r} ({type(stage).__name__})")
     if stage not in MODULES:
-        raise ValueError(f"stage must be one of {sorted(MODULES)} (0 = DDP, 1 = P_os, 2 = P_os+g), got {stage!r}")
+        raise ValueError(f"stage must be one of {sorted(MODULES)} (0 = DDP, 1 = P_os, 2 = P_os+g, 3 = P_os+g+p), got {stage!r}")
     if isinstance(optimizer_class, torch.optim.Optimizer):
         raise TypeError("pass the optimizer class (torch.optim.AdamW), not an optimizer: "
-                        "prepare builds it, over the shards for stages 1-2")
+                        "prepare builds it, over the shards for stages 1-3")
     shardable = importlib.import_module(MODULES[1]).SHARDABLE_OPTIMIZERS if stage > 0 else None
     if stage > 0 and optimizer_class not in shardable:
         names = ", ".join(f"torch.optim.{c.__name__}" for c in shardable)
@@ -111,9 +127,10 @@ def _check_setup(model, optimizer_class, stage) -> None:
     devices = {p.device for p in model.parameters()}
     if not devices:
         raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to train")
-    if torch.device("meta") in devices:
+    if torch.device("meta") in devices and stage != 3:  # stage 3 materializes it shard by shard (init_fn=)
         raise ValueError("the model is on the meta device (shapes, no values): materialise it first, "
-                         "e.g. model.to_empty(device='cpu') and initialise its weights, or build it on CPU")
+                         "e.g. model.to_empty(device='cpu') and initialise its weights, or build it on CPU "
+                         "(or use stage=3 with init_fn=, which makes only this rank's shards)")
     if len(devices) != 1:
         raise ValueError(f"the model's parameters are on {sorted(map(str, devices))}: move the model to one device first")
 
@@ -133,6 +150,18 @@ def _check_options(optimizer_class, stage, options) -> None:
                     + (f" ({'; '.join(hints)})" if hints else "")
                     + f": {optimizer_class.__name__} takes {sorted(accepted)}; "
                     f"stage {stage} adds {sorted(ZERO_OPTIONS[stage]) or 'nothing'}")
+
+
+def _check_offload(zero_options: dict) -> bool:
+    """Whether to offload (the offload option removed from zero_options); its companions need it."""
+    offload = zero_options.pop("offload", None)
+    if offload not in (None, "cpu"):
+        raise ValueError(f'offload must be "cpu" (ZeRO-Offload: optimizer states and step on the host) or None, '
+                         f"got {offload!r}")
+    companions = sorted(set(zero_options) & (OFFLOAD_OPTIONS - {"offload"}))
+    if companions and offload is None:
+        raise TypeError(f"{companions} only apply with offload=\"cpu\": pass offload=\"cpu\" or leave them out")
+    return offload is not None
 
 
 def _check_dtypes(model, param_dtype) -> None:

@@ -10,6 +10,7 @@ notebook in `work/<lesson>/release-<time>/`. Nothing else writes into work/.
 from __future__ import annotations
 
 import hashlib
+import platform
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -60,6 +61,12 @@ def timestamp() -> str:
 def copy_release(release: Path, target: Path) -> None:
     shutil.copytree(release, target, ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
     (target / RELEASE_STAMP).write_text(release_hash(release) + "\n")
+    for notebook in target.glob("*.ipynb"):
+        # The kernel (this venv's Python) reports its version when the notebook opens; with it
+        # already there, JupyterLab does not mark the learner's fresh copy as modified.
+        nb = build.read_notebook(notebook)
+        nb.metadata.setdefault("language_info", {})["version"] = platform.python_version()
+        notebook.write_text(build.notebook_text(nb))
 
 
 def start(name: str, repo: Path = REPO, fresh: bool = False, side_by_side: bool = False) -> Started:

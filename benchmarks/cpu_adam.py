@@ -1,0 +1,184 @@
+"""CPU AdamW bake-off on flat fp32 shards, against this machine's memory bandwidth, in one run.
+
+    python benchmarks/cpu_adam.py [--sizes 1e6 1e7 1e8] [--threads 1 2] [--repeats 5] [--deepspeed]
+
+For each shard size and thread count, first a STREAM-like triad (a = b + s*c on arrays far
+larger than the caches, with the same threads) measures the memory bandwidth; then one AdamW
+step on a flat fp32 shard of that size is timed for each version:
+
+    torch for-loop     torch.optim.AdamW(foreach=False): one pass over memory per operation
+    torch foreach      torch.optim.AdamW(foreach=True): the same passes, batched over tensors
+    torch fused        torch.optim.AdamW(fused=True): one kernel, one pass
+    ours               zero_lab.offload.cpu_adam_: torch's operations, cache-blocked, on a thread pool
+    DeepSpeedCPUAdam   with --deepspeed, if DeepSpeed is installed (it JIT-builds its op with this
+                       machine's compiler, which takes minutes the first time)
+
+torch's versions run on torch's intra-op threads (torch.set_num_threads); ours runs its chunks on
+a pool of that many threads, each torch call single-threaded. AdamW must read parameter,
+gradient, m and v and write parameter, m and v: 28 bytes per element, so its time can be no
+less than 28 bytes x numel / bandwidth (the "bound" column). "bytes/elem" is what each version's
+tensor operations read and write per element (counted by a dispatch mode, one step on a small
+shard; an argument the op declares mutable counts as read and written): the passes a version
+makes over its data, through the caches or to memory. Triad bytes follow STREAM's
+convention (12 per fp32 element: the write-allocate read of `a` is not counted, so the true
+traffic is higher and the bound is conservative). Times are the median of `--repeats` steps
+after one warm-up step, wall-clock on this machine: noisy when others use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from zero_lab.offload import cpu_adam_
+
+ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+ADAM_BYTES_PER_ELEMENT = 28  # read p, g, m, v; write p, m, v (fp32)
+TRIAD_BYTES_PER_ELEMENT = 12  # STREAM: read b, c; write a (fp32)
+TORCH_VERSIONS = {"torch for-loop": dict(foreach=False), "torch foreach": dict(foreach=True),
+                  "torch fused": dict(fused=True)}
+OURS, DEEPSPEED = "ours", "DeepSpeedCPUAdam"
+
+
+def deepspeed_available() -> bool:
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+class _BytesTouched(TorchDispatchMode):
+    """Bytes read and written by every tensor operation run inside it (in-place arguments count twice)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
+            return out  # a view (a chunk of the shard): no data moves
+        values = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
+        for argument, value in zip(func._schema.arguments, values):
+            written = argument.alias_info is not None and argument.alias_info.is_write
+            self.bytes += sum(t.nbytes for t in tree_leaves(value) if isinstance(t, torch.Tensor)) * (1 + written)
+        if all(r.alias_info is None for r in func._schema.returns):  # a new result: written once
+            self.bytes += sum(t.nbytes for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+def triad_gbps(numel: int, threads: int, repeats: int = 5) -> float:
+    """Memory bandwidth in GB/s (1e9 bytes) by STREAM's triad, a = b + s * c, on `threads` threads."""
+    torch.set_num_threads(threads)
+    a, b, c = torch.zeros(numel), torch.rand(numel), torch.rand(numel)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        torch.add(b, c, alpha=3.0, out=a)
+        times.append(time.perf_counter() - start)
+    return TRIAD_BYTES_PER_ELEMENT * numel / min(times[1:]) / 1e9
+
+
+def make_step(version: str, numel: int, threads: int, ours=cpu_adam_):
+    """A function doing one AdamW step on a fresh flat fp32 shard of `numel` elements, and a cleanup."""
+    generator = torch.Generator().manual_seed(0)
+    param, grad = torch.randn(numel, generator=generator), torch.randn(numel, generator=generator)
+    if version == OURS:
+        torch.set_num_threads(1)
+        pool = ThreadPoolExecutor(threads) if threads > 1 else None
+        exp_avg, exp_avg_sq, steps = torch.zeros(numel), torch.zeros(numel), iter(range(1, 10**9))
+        step = lambda: ours(param, grad, exp_avg, exp_avg_sq, next(steps), pool=pool, **ADAMW)  # noqa: E731
+        return step, (pool.shutdown if pool else lambda: None)
+    torch.set_num_threads(threads)
+    param = torch.nn.Parameter(param)
+    param.grad = grad
+    if version == DEEPSPEED:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        optimizer = DeepSpeedCPUAdam([param], adamw_mode=True, **ADAMW)
+    else:
+        optimizer = torch.optim.AdamW([param], **ADAMW, **TORCH_VERSIONS[version])
+    return optimizer.step, lambda: None
+
+
+def bytes_touched_per_element(version: str, numel: int = 2**16, ours=cpu_adam_) -> float | None:
+    """What one step's tensor operations read and write, per element (None: not visible to torch)."""
+    if version == DEEPSPEED:
+        return None  # its own C++ kernel, called outside torch's dispatcher
+    step, cleanup = make_step(version, numel, 1, ours)
+    step()  # the first step creates the states
+    with _BytesTouched() as counter:
+        step()
+    cleanup()
+    return counter.bytes / numel
+
+
+def time_step(version: str, numel: int, threads: int, repeats: int, ours=cpu_adam_) -> float:
+    """Median seconds of one step, after one warm-up step."""
+    step, cleanup = make_step(version, numel, threads, ours)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    cleanup()
+    return statistics.median(times[1:])
+
+
+def bake_off(sizes=(10**6, 10**7, 10**8), threads=(1, 2), repeats: int = 5, deepspeed: bool = False,
+             triad_numel: int = 2**25, progress=lambda iterable: iterable, ours=cpu_adam_) -> dict:
+    """{"rows": [...], "triad": {threads: GB/s}}; a row per (size, threads, version) with ms, GB/s
+    (at 28 bytes per element), bytes its operations touch per element, time vs fused, vs the bound.
+    ours: the function timed as "ours" (default zero_lab.offload.cpu_adam_; a lesson passes the learner's)."""
+    versions = [*TORCH_VERSIONS, OURS] + ([DEEPSPEED] if deepspeed and deepspeed_available() else [])
+    saved_threads = torch.get_num_threads()
+    touched = {version: bytes_touched_per_element(version, ours=ours) for version in versions}
+    triad, rows = {}, []
+    try:
+        for numel, count in progress([(n, t) for n in sizes for t in threads]):
+            triad[count] = max(triad.get(count, 0.0), triad_gbps(triad_numel, count))  # re-measured: the best seen
+            seconds = {version: time_step(version, numel, count, repeats, ours) for version in versions}
+            for version, t in seconds.items():
+                bound = ADAM_BYTES_PER_ELEMENT * numel / (triad[count] * 1e9)
+                rows.append(dict(version=version, numel=numel, threads=count, ms=1e3 * t,
+                                 gbps=ADAM_BYTES_PER_ELEMENT * numel / t / 1e9, bytes_touched=touched[version],
+                                 vs_fused=seconds["torch fused"] / t, vs_bound=bound / t))
+    finally:
+        torch.set_num_threads(saved_threads)
+    return dict(rows=rows, triad=triad)
+
+
+def table(result: dict) -> str:
+    triad = ", ".join(f"{t} thread(s): {gbps:.1f} GB/s" for t, gbps in sorted(result["triad"].items()))
+    lines = [f"memory bandwidth (STREAM triad, same run): {triad}",
+             f"{'numel':>11} {'thr':>3} {'version':>18} {'ms':>9} {'GB/s':>6} {'bytes/elem':>10} "
+             f"{'x fused speed':>13} {'x bound':>7}"]
+    for row in result["rows"]:
+        touched = "-" if row["bytes_touched"] is None else f"{row['bytes_touched']:.0f}"
+        lines.append(f"{row['numel']:>11,} {row['threads']:>3} {row['version']:>18} {row['ms']:>9.2f} "
+                     f"{row['gbps']:>6.1f} {touched:>10} {row['vs_fused']:>13.2f} {row['vs_bound']:>7.2f}")
+    lines.append("GB/s = 28 bytes per element / time; x fused speed = fused time / time; "
+                 "x bound = (28 bytes x numel / triad bandwidth) / time, 1.0 = at the memory's limit.")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=float, nargs="+", default=[1e6, 1e7, 1e8], help="shard sizes (elements)")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--deepspeed", action="store_true", help="add DeepSpeedCPUAdam (JIT-builds its op)")
+    args = parser.parse_args()
+    if args.deepspeed and not deepspeed_available():
+        print("DeepSpeed is not installed: DS_BUILD_OPS=0 pip install -e '.[deepspeed]' (the op builds at first use)")
+    result = bake_off([int(n) for n in args.sizes], args.threads, args.repeats, args.deepspeed)
+    print(table(result))
+
+
+if __name__ == "__main__":
+    main()
