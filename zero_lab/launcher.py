@@ -355,7 +355,8 @@ def _collect(procs, conns, stack_files, timeout):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 _raise_hung(pending, procs, stack_files, timeout)
-        ready = wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending], remaining)
+        # Short waits: a Ctrl-C that another thread received is acted on at once, not at the deadline.
+        ready = wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending], min(remaining, 0.2))
         for rank in pending:
             if conns[rank] in ready or procs[rank].sentinel in ready:
                 _receive(rank, procs[rank], conns[rank], results, failures)
