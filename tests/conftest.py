@@ -60,7 +60,7 @@ def pytest_collection_modifyitems(config, items):
             lesson = getattr(item, "callspec", None) and item.callspec.params.get("lesson")
             if lesson and lesson not in lessons:
                 lessons.append(lesson)
-    if lessons:
+    if lessons and not config.option.collectonly:
         config.grader = Graded(lessons)
 
 
