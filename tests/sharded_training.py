@@ -37,16 +37,23 @@ def gpt_loss(model, batch):
     return model(*batch)[1]
 
 
-def train(model, optimizer, batches, loss_fn, micro_steps=1):
+def train(model, optimizer, batches, loss_fn, micro_steps=1, scheduler=None, max_norm=None):
     """One optimizer step per global batch, on this rank's shard of it (the whole batch outside
-    `launch`), accumulated over `micro_steps` equal micro-batches."""
+    `launch`), accumulated over `micro_steps` equal micro-batches; the LR `scheduler` steps after
+    each, and torch.nn.utils.clip_grad_norm_ clips to `max_norm` before each (returns the norms)."""
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    norms = []
     for batch in batches:
         micro_batches = zip(*(t.chunk(micro_steps) for t in shard_batch(batch, rank, world_size)))
         for micro_batch in micro_batches:
             (loss_fn(model, micro_batch) / micro_steps).backward()
+        if max_norm is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         optimizer.zero_grad()
+    return norms
 
 
 def weights(model):
@@ -54,17 +61,12 @@ def weights(model):
     return {name: p.detach().float().clone() for name, p in model.named_parameters()}
 
 
-def single_process(steps=STEPS, max_grad_norm=None):
+def single_process(steps=STEPS, max_grad_norm=None, make_scheduler=None):
     """The baseline: plain torch.optim.AdamW on the whole global batch."""
     model = MLP(SIZES, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
-    norms = []
-    for batch in mlp_batches(steps):
-        mlp_loss(model, batch).backward()
-        if max_grad_norm is not None:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item())
-        optimizer.step()
-        optimizer.zero_grad()
+    scheduler = make_scheduler(optimizer) if make_scheduler else None
+    norms = train(model, optimizer, mlp_batches(steps), mlp_loss, scheduler=scheduler, max_norm=max_grad_norm)
     return weights(model), norms
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from zero_lab import build
+from zero_lab.course_tools import build
 
 FIXTURE = Path(__file__).parent / "fixtures" / "99_fixture"
 LESSON = "99_fixture"
@@ -99,7 +99,11 @@ def test_check_names_each_kind_of_drift(repo):
     assert f"{COURSE}: has outputs or execution counts" in problems
     assert f"{COURSE}: contains 'END SOLUTION'" in problems
     assert f"{COURSE}: contains reference solution or hidden test code 'dist.all_reduce(tensor)'" in problems
-    # ... and the build repairs all of it (the source notebook's outputs are cleared).
+    # ... and the build repairs all of it (the source notebook's outputs are cleared), once the
+    # hand-edited learner edition is out of its way.
+    with pytest.raises(build.BuildError, match=f"{COURSE}: not overwritten"):
+        build.build(repo)
+    (repo / COURSE).unlink()
     build.build(repo)
     assert build.check(repo) == []
 

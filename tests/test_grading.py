@@ -1,37 +1,36 @@
-"""`zero-lab grade`: every lesson's reference earns full marks and its learner edition none;
-a fixture lesson shows that hidden tests count and that a deadlock only costs its points."""
+"""`zero-lab grade`: every lesson's reference earns full marks and its learner edition none, with
+reasons; on a fixture lesson, one autograde run of four notebooks shows that hidden tests
+count, a deadlock costs only its points, a cell that kills the kernel is reported and the rest
+scored, and that learner code runs confined (its folder, scratch HOME/TMPDIR, no survivors)."""
 
+import json
+import os
 import shutil
-import time
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from zero_lab import build, grading
-from zero_lab.implementation import REPO
+from zero_lab.course_tools import build, grading
+from zero_lab.course_tools.implementation import REPO
 
 FIXTURE = Path(__file__).parent / "fixtures" / "99_fixture"
 LESSONS = build.find_lessons(REPO) or [pytest.param(None, marks=pytest.mark.skip(reason="no lesson in solutions/ yet"))]
-LESSON_TIMEOUT = 1200  # a real lesson starts many ranks; two autogrades on 2 cores
 
 
-def points(scores):
-    return sum(s.earned for s in scores), sum(s.possible for s in scores)
-
-
-@pytest.mark.timeout(LESSON_TIMEOUT)
 @pytest.mark.parametrize("lesson", LESSONS)
-def test_reference_solution_earns_full_marks(lesson):
-    earned, possible = points(grading.grade(build.source_notebook(REPO, lesson)))
-    assert possible > 0 and earned == possible
+def test_reference_solution_earns_full_marks(lesson, graded):
+    report = graded(lesson, "solution")
+    earned, possible = report.total
+    assert possible > 0 and earned == possible, grading.score_table(report)
 
 
-@pytest.mark.timeout(LESSON_TIMEOUT)
 @pytest.mark.parametrize("lesson", LESSONS)
-def test_learner_edition_earns_nothing_and_finishes(lesson):
-    earned, possible = points(grading.grade(REPO / build.COURSE_DIR / lesson))
-    assert possible > 0 and earned == 0
+def test_learner_edition_earns_nothing_and_says_why(lesson, graded):
+    report = graded(lesson, "learner")
+    earned, possible = report.total
+    assert possible > 0 and earned == 0, grading.score_table(report)
+    assert all(score.reason for score in report.scores), grading.score_table(report)
 
 
 @pytest.fixture(scope="module")
@@ -42,29 +41,87 @@ def fixture_repo(tmp_path_factory):
     return repo
 
 
-def test_fixture_reference_and_learner_edition(fixture_repo):
-    reference = grading.grade(fixture_repo / "solutions/99_fixture/99_fixture.ipynb", repo=fixture_repo)
-    assert [(s.test_id, s.earned, s.possible) for s in reference] == [("test_all_sum", 2, 2), ("test_double", 1, 1)]
-    assert points(grading.grade(fixture_repo / "course/99_fixture", repo=fixture_repo)) == (0, 3)
-
-
 def answered(nb, grade_id, code):
     cell = next(c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id") == grade_id)
     cell.source = cell.source.replace("raise NotImplementedError()", code)
+    return nb
 
 
-def test_deadlock_and_hidden_tests_cost_their_points(fixture_repo, tmp_path):
-    learner = build.read_notebook(fixture_repo / "course/99_fixture/99_fixture.ipynb")
-    # Only rank 0 enters the all-reduce: the launcher's 10 s timeout must end the test cell.
-    answered(learner, "fixture_ops-all_sum", "if dist.get_rank() == 0: dist.all_reduce(tensor)")
-    # Passes the visible test, fails the hidden one.
-    answered(learner, "double", "return 4")
-    nbformat.write(learner, tmp_path / "99_fixture.ipynb")
+WITNESS = """\
+import json, os, subprocess
+child = subprocess.Popen(["sleep", "600"], start_new_session=True)  # escapes the process group
+json.dump({{"cwd": os.getcwd(), "home": os.environ["HOME"], "tmp": os.environ["TMPDIR"], "child": child.pid}},
+          open({path!r}, "w"))"""
 
-    started = time.monotonic()
-    scores = grading.grade(tmp_path / "99_fixture.ipynb", repo=fixture_repo)
-    elapsed = time.monotonic() - started
 
-    assert [(s.test_id, s.earned) for s in scores] == [("test_all_sum", 0), ("test_double", 0)]
-    # Far below nbgrader's 300 s cell timeout: the launcher stopped the hung ranks.
-    assert elapsed < 150, f"grading took {elapsed:.0f} s"
+@pytest.fixture(scope="module")
+def fixture_reports(fixture_repo, tmp_path_factory):
+    """One autograde run: reference, untouched learner edition, wrong answers, a kernel killer."""
+    folder = tmp_path_factory.mktemp("submissions")
+    learner = fixture_repo / "course/99_fixture/99_fixture.ipynb"
+    # Only rank 0 enters the all-reduce: the launcher's 10 s timeout must end the test cell;
+    # `return 4` passes the visible test of `double` and fails the hidden one.
+    wrong = answered(build.read_notebook(learner), "fixture_ops-all_sum", "if dist.get_rank() == 0: dist.all_reduce(tensor)")
+    wrong = answered(wrong, "double", "return 4")
+    # Right answers, then a cell that leaves a setsid child and a cell that kills the kernel.
+    killer = answered(build.read_notebook(learner), "fixture_ops-all_sum", "dist.all_reduce(tensor)")
+    killer = answered(killer, "double", "return 2 * x")
+    witness = folder / "witness.json"
+    killer.cells[2:2] = [nbformat.v4.new_code_cell(WITNESS.format(path=str(witness))),
+                         nbformat.v4.new_code_cell("import os\nos._exit(0)  # kills the kernel")]
+    notebooks = {"reference": fixture_repo / "solutions/99_fixture/99_fixture.ipynb", "learner": learner}
+    for student, nb in {"wrong": wrong, "killer": killer}.items():
+        (folder / student).mkdir()
+        nbformat.write(nb, folder / student / "99_fixture.ipynb")
+        notebooks[student] = folder / student / "99_fixture.ipynb"
+    lines = []
+    reports = grading.grade_many("99_fixture", notebooks, repo=fixture_repo, progress=lines.append)
+    return reports, json.loads(witness.read_text()), lines
+
+
+def test_fixture_reference_and_learner_edition(fixture_reports):
+    reports, _, progress = fixture_reports
+    assert [(s.test_id, s.earned, s.possible, s.reason) for s in reports["reference"].scores] == [
+        ("test_all_sum", 2, 2, ""), ("test_double", 1, 1, "")]
+    assert [(s.earned, s.reason) for s in reports["learner"].scores] == [
+        (0, "not attempted: all_sum() raises NotImplementedError (rank 0 of 2 failed)"),
+        (0, "not attempted: double() raises NotImplementedError")]
+    assert any(line.startswith("grading 99_fixture") and "test test_all_sum" in line for line in progress)
+
+
+def test_deadlock_and_hidden_tests_cost_their_points_and_say_why(fixture_reports):
+    scores = fixture_reports[0]["wrong"].by_id
+    assert (scores["test_all_sum"].earned, scores["test_double"].earned) == (0, 0)
+    # The launcher's timeout ended the deadlock (not nbgrader's 300 s cell timeout), and the
+    # reason names the stuck rank.
+    assert scores["test_all_sum"].reason.startswith("deadlock: 1 of 2 ranks still running after 10 s; rank 0")
+    assert scores["test_double"].reason == "AssertionError (a check failed)"  # the hidden check, not its code
+
+
+def test_a_cell_that_kills_the_kernel_is_reported_and_the_rest_scored(fixture_reports):
+    report = fixture_reports[0]["killer"]
+    assert report.total == (3, 3)
+    assert report.notes == ["a cell killed the kernel; graded again without it: import os"]
+    assert "note: a cell killed the kernel" in grading.score_table(report)
+
+
+def test_learner_code_runs_in_its_folder_with_scratch_home_and_leaves_no_process(fixture_reports):
+    witness = fixture_reports[1]
+    assert Path(witness["cwd"]).parts[-3:] == ("autograded", "killer", "99_fixture")
+    for scratch in witness["home"], witness["tmp"]:
+        assert Path(scratch).is_relative_to(Path(witness["cwd"]).parents[2]), scratch  # inside the grading course
+        assert not Path(scratch).exists()  # removed after grading
+    assert witness["home"] != os.environ.get("HOME")
+    with pytest.raises(ProcessLookupError):
+        os.kill(witness["child"], 0)
+
+
+def test_score_table_gives_points_and_reasons():
+    report = grading.Report([grading.TestScore("test_a", 2, 2), grading.TestScore("test_b", 0, 1, "not attempted")])
+    assert grading.score_table(report).splitlines() == [
+        "test    points  why points were lost",
+        "test_a   2 / 2",
+        "test_b   0 / 1  not attempted",
+        "------  ------",
+        "total    2 / 3",
+    ]

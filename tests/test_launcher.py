@@ -1,13 +1,20 @@
 """The launcher: results per rank, errors named by rank, hangs reported, no leftovers."""
 
 import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from zero_lab import RankFailed, RanksHung, launch
+from zero_lab import CommLedger, RankFailed, RanksHung, comm_ledger, launch, launch_restored
 
 
 def _rank_and_size():
@@ -119,12 +126,15 @@ def test_starting_four_ranks_is_fast():
     launch(_rank_and_size, 4)  # warm-up
     start = time.monotonic()
     launch(_rank_and_size, 4)
-    assert time.monotonic() - start < 1.0
+    # Well under the ~2 s per rank that importing torch._dynamo in each rank used to cost,
+    # with room for a loaded machine.
+    assert time.monotonic() - start < 3.0
 
 
 def test_bad_world_size_is_refused():
-    with pytest.raises(ValueError, match="world_size"):
-        launch(_rank_and_size, 0)
+    for world_size in (0, 2.0, True):
+        with pytest.raises(ValueError, match="world_size"):
+            launch(_rank_and_size, world_size)
 
 
 def _matmul():
@@ -136,3 +146,153 @@ def test_ranks_compute_after_the_parent_used_its_thread_pool():
     # on its OpenMP pool.
     _matmul()
     assert launch(_matmul, 1, timeout=20) == [256.0**3]
+
+
+def _die_during_collectives():
+    if dist.get_rank() == 1:
+        os._exit(3)
+    for _ in range(100):
+        dist.all_reduce(torch.ones(1000))  # the peers lose their connections to rank 1
+
+
+def test_the_rank_that_died_is_named_not_a_peer_that_lost_it():
+    for _ in range(3):
+        with pytest.raises(RankFailed) as info:
+            launch(_die_during_collectives, 3, timeout=60)
+        assert info.value.rank == 1, str(info.value)
+        assert "exit code 3" in info.value.rank_traceback
+
+
+def _start_processes(pid_file, fail):
+    sleeper = subprocess.Popen(["sleep", "60"])
+    child = os.fork()
+    if child == 0:  # a forked child that would outlive its rank
+        time.sleep(60)
+        os._exit(0)
+    with open(pid_file, "a") as f:
+        f.write(f"{os.getpid()}\n{sleeper.pid}\n{child}\n")
+    dist.barrier()  # every rank has written its pids
+    if fail and dist.get_rank() == 0:
+        raise RuntimeError("the rank fails, its processes must go too")
+    return 0
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_processes_a_rank_started_die_with_launch(fail, tmp_path):
+    pid_file = tmp_path / "pids"
+    try:
+        launch(_start_processes, 2, str(pid_file), fail, timeout=30)
+    except RankFailed:
+        assert fail
+    pids = [int(line) for line in pid_file.read_text().split()]
+    assert len(pids) == 6
+    deadline = time.monotonic() + 5  # killed at once; reaping the orphans is init's job
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in pids)
+
+
+def _sleep_forever(pid_file):
+    with open(pid_file, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    time.sleep(600)
+
+
+def test_two_quick_ctrl_c_leave_no_rank(tmp_path):
+    # Python's own Ctrl-C handler, even where the shell started pytest ignoring SIGINT (`cmd &`)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _press_ctrl_c_twice_during_launches(tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _press_ctrl_c_twice_during_launches(tmp_path):
+    for attempt in range(5):
+        pid_file = tmp_path / f"pids{attempt}"
+
+        def press_ctrl_c_twice():
+            while not pid_file.exists() or len(pid_file.read_text().split()) < 3:
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        presser = threading.Thread(target=press_ctrl_c_twice)
+        presser.start()
+        with pytest.raises(KeyboardInterrupt):
+            launch(_sleep_forever, 3, str(pid_file), timeout=60)
+        presser.join()
+        assert not any(_alive(int(pid)) for pid in pid_file.read_text().split())
+
+
+def test_a_killed_caller_s_rendezvous_directory_is_removed_by_the_next_launch():
+    finished = subprocess.Popen(["true"])
+    finished.wait()  # its pid now belongs to no process
+    stale = tempfile.mkdtemp(prefix=f"zero_lab_rendezvous_{finished.pid}_")
+    mine = tempfile.mkdtemp(prefix=f"zero_lab_rendezvous_{os.getpid()}_")  # a live caller's
+    try:
+        launch(_rank_and_size, 1)
+        assert not os.path.exists(stale) and os.path.exists(mine)
+    finally:
+        shutil.rmtree(mine)
+
+
+class _FailsToUnpickle:
+    def __reduce__(self):
+        return int, ("not a number",)
+
+
+def _launch_inside_a_rank():
+    return launch(_rank_and_size, 1)
+
+
+def test_clear_errors():
+    with pytest.raises(RankFailed, match="inside a rank"):
+        launch(_launch_inside_a_rank, 1, timeout=30)
+    for timeout in (0, -1, float("nan")):
+        with pytest.raises(ValueError, match="timeout"):
+            launch(_rank_and_size, 1, timeout=timeout)
+    with pytest.raises(RankFailed, match="could not be unpickled") as info:
+        launch(lambda: _FailsToUnpickle() if dist.get_rank() == 1 else 0, 2, timeout=30)
+    assert info.value.rank == 1
+
+
+def test_torchrun_workers_die_with_their_agent(tmp_path):
+    """A worker's parent (its torchrun agent) is SIGKILLed: init_distributed made the worker die too."""
+    worker = ("import os, time, zero_lab; zero_lab.init_distributed(); "
+              "print(os.getpid(), flush=True); time.sleep(60)")
+    agent = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', sys.argv[1]]); time.sleep(60)")
+    env = dict(os.environ, TORCHELASTIC_RUN_ID="test", RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()))
+    parent = subprocess.Popen([sys.executable, "-c", agent, worker], env=env, stdout=subprocess.PIPE, text=True)
+    worker_pid = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while _alive(worker_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(worker_pid)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _all_reduce_and_count():
+    t = torch.full((6,), float(dist.get_rank() + 1))
+    with CommLedger() as ledger:
+        dist.all_reduce(t)
+    return t.tolist(), float(ledger.sent_bytes())
+
+
+def test_launch_restored_undoes_monkey_patches_of_the_collectives_and_the_ledger(monkeypatch):
+    """The cheats a learner's notebook could make before a graded test runs: none reaches the ranks."""
+    monkeypatch.setattr(dist, "all_reduce", lambda *args, **kwargs: None)
+    monkeypatch.setattr(comm_ledger.CommLedger, "record", lambda self, *args: None)
+    monkeypatch.setattr(comm_ledger.CountingProcessGroup, "allreduce", lambda self, *args: None)
+    cheated = launch(_all_reduce_and_count, 2, timeout=30)
+    assert cheated[0] == ([1.0] * 6, 0.0), "the patches must be in effect for the test to mean anything"
+    honest = launch_restored(_all_reduce_and_count, 2, timeout=30)
+    assert honest == [([3.0] * 6, 2 * 6 * 4 / 2)] * 2

@@ -155,6 +155,22 @@ def test_consolidated_state_loads_into_a_single_process():
     assert optimizer.state[next(model.parameters())]["step"].item() == 5
 
 
+def _consolidated_after(steps):
+    model, optimizer = prepare(MLP(SIZES, seed=0), torch.optim.AdamW, stage=1, **ADAMW)
+    train(model, optimizer, mlp_batches()[:steps], mlp_loss)
+    return optimizer.consolidated_state_dict(dst=0)
+
+
+def test_training_continues_from_the_consolidated_state_like_one_process():
+    full = launch(_consolidated_after, 3, 5, timeout=60)[0]
+    model = MLP(SIZES, seed=7)
+    model.load_state_dict(full["model"])
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    optimizer.load_state_dict(full["optimizer"])
+    train(model, optimizer, mlp_batches()[5:], mlp_loss)  # each parameter's step must count 6, 7, ...
+    assert_close([weights(model)], single_process()[0])
+
+
 def _memory(param_dtype):
     model = GPT(TINY_GPT, seed=0)
     model, optimizer = prepare(model, torch.optim.AdamW, stage=1, param_dtype=param_dtype, lr=1e-3)

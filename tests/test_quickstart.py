@@ -1,58 +1,43 @@
-"""The README's first command opens the course: start JupyterLab as it does, fetch lesson 00, stop."""
+"""`./quickstart lab` opens the learner's own copy of lesson 00 in a clean JupyterLab (no
+nbgrader instructor tools, no news pop-up); `./quickstart instructor` turns nbgrader's tools on.
+Runs in a copy of the repo, so the real work/ is never touched."""
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
+import re
+import urllib.error
 import urllib.request
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-LESSON_00 = "course/00_collectives/00_collectives.ipynb"
+import pytest
 
+from lab_server import TOKEN, get, quickstart
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+LESSON_00 = "work/00_collectives/00_collectives.ipynb"
 
 
-def _get(url):
-    with urllib.request.urlopen(url, timeout=5) as response:
-        return response.status, response.read()
+def page_config(base):
+    page = get(f"{base}/lab?token={TOKEN}")[1].decode()
+    return json.loads(re.search(r'<script id="jupyter-config-data" type="application/json">(.*?)</script>', page, re.S)[1])
 
 
-def test_quickstart_lab_serves_lesson_00(tmp_path):
-    port, token = _free_port(), "zero-lab-test"
-    env = dict(os.environ, ZERO_LAB_VENV=sys.prefix, JUPYTER_RUNTIME_DIR=str(tmp_path))
-    server = subprocess.Popen(
-        ["./quickstart", "lab", "--no-browser", f"--port={port}", "--ServerApp.ip=127.0.0.1",
-         f"--IdentityProvider.token={token}"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        url = f"http://127.0.0.1:{port}/api/contents/{LESSON_00}?token={token}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, server.stdout.read().decode()
-            try:
-                status, body = _get(url)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "JupyterLab did not answer within 120 s"
-                time.sleep(0.5)
-        assert status == 200
-        notebook = json.loads(body)["content"]
-        assert notebook["cells"], "lesson 00 is empty"
-        assert _get(f"http://127.0.0.1:{port}/lab?token={token}")[0] == 200
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+def test_quickstart_lab_opens_the_workspace_copy_of_lesson_00_without_instructor_tools(repo_copy):
+    repo, env = repo_copy
+    with quickstart(repo, env, "lab") as base:
+        mine, release = (json.loads((repo / path).read_text()) for path in (LESSON_00, "course/00_collectives/00_collectives.ipynb"))
+        assert mine["cells"] == release["cells"]
+        status, body = get(f"{base}/api/contents/{LESSON_00}?token={TOKEN}")
+        assert status == 200 and json.loads(body)["content"]["cells"]
+        config = page_config(base)
+        with urllib.request.urlopen(f"{base}/?token={TOKEN}", timeout=10) as start_page:
+            assert start_page.url.split("?")[0] == f"{base}/lab/tree/{LESSON_00}"
+        assert {"@jupyter/nbgrader", "@jupyterlab/apputils-extension:announcements"} <= set(config["disabledExtensions"])
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            get(f"{base}/formgrader?token={TOKEN}")
+
+
+def test_quickstart_instructor_has_the_formgrader(repo_copy):
+    repo, env = repo_copy
+    with quickstart(repo, env, "instructor") as base:
+        assert "@jupyter/nbgrader" not in page_config(base)["disabledExtensions"]
+        status, body = get(f"{base}/formgrader?token={TOKEN}")
+        assert status == 200 and b"nbgrader" in body.lower()
+    assert not (repo / "work").exists()

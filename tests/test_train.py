@@ -20,12 +20,13 @@ def test_every_stage_trains_the_same_model_the_same_way():
         assert curves[stage] == pytest.approx(curves[0], rel=1e-5)
 
 
-def test_runs_under_torchrun_with_env_rendezvous():
+def test_runs_under_torchrun_with_env_rendezvous(tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")
     result = subprocess.run(
         [str(torchrun), "--nproc-per-node", "2", "-m", "zero_lab.train", "--stage", "1", "--steps", "3"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        # torchrun leaves a torchelastic_* directory in TMPDIR: keep it in pytest's, which is cleaned
+        env=dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path)),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "stage 1, 2 ranks" in result.stdout

@@ -120,8 +120,7 @@ class BucketedDDP(nn.Module):
         self.bucket_of = {p: bucket for bucket in self.buckets for p in bucket.params}
         self.next_bucket = 0  # buckets are launched strictly in order, the same on every rank
         self.final_callback_queued = False
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._on_gradient_ready)
+        self.hook_handles = [p.register_post_accumulate_grad_hook(self._on_gradient_ready) for p in params]
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -196,25 +195,21 @@ class BucketedDDP(nn.Module):
         return {p for p, count in zip(params, ranks_with_gradient.tolist()) if count == 0}
 
 
-class MasterWeightOptimizer:
+from zero_lab.optim import OptimizerOverCopies
+
+
+class MasterWeightOptimizer(OptimizerOverCopies):
     """Mixed-precision optimizer: updates fp32 master copies of the (bf16) model parameters.
 
     The model holds 2 bytes of parameter and 2 of gradient per element; this holds the 4-byte
     master weights and the inner optimizer's state (8 bytes for Adam): 2 + 2 + 12 bytes.
+    A torch.optim.Optimizer to LR schedulers: its param_groups are the inner optimizer's.
     """
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, **optimizer_kwargs):
         self.model_params = [p for p in params if p.requires_grad]
         self.master_params = [p.detach().float() for p in self.model_params]
-        self.optimizer = optimizer_class(self.master_params, **optimizer_kwargs)
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
+        super().__init__(optimizer_class(self.master_params, **optimizer_kwargs))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.model_params:
@@ -224,10 +219,26 @@ class MasterWeightOptimizer:
                 p.grad.zero_()
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         for master, param in zip(self.master_params, self.model_params):
             master.grad = None if param.grad is None else param.grad.float()
         self.optimizer.step()
         for master, param in zip(self.master_params, self.model_params):
             param.copy_(master)  # round to the model's precision
             master.grad = None  # the fp32 gradient copies were only needed for the update
+        return loss
+
+    def state_dict(self) -> dict:
+        """The fp32 masters too: the bf16 model alone would lose their low bits on resume."""
+        return {"masters": [m.clone() for m in self.master_params], "optimizer": self.optimizer.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        for master, param, saved in zip(self.master_params, self.model_params, state["masters"], strict=True):
+            master.copy_(saved)
+            param.copy_(master)

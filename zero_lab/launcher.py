@@ -13,8 +13,14 @@ Failures surface in the caller, never as a silent hang:
 - a rank that is still running after `timeout` seconds (say only some ranks entered a
   collective) raises `RanksHung`, which names every stuck rank, the collective it is blocked
   in and its Python stack (dumped by faulthandler), then kills them all.
-No child outlives `launch`: every path ends with SIGKILL and a reap, and children also die
-with their parent (PR_SET_PDEATHSIG) if the caller itself is killed.
+When a rank dies, its peers soon fail too, with "Connection reset by peer": `RankFailed`
+names the rank that died or raised first, not a peer that lost its connection to it.
+
+No process outlives `launch`: each rank runs in its own session, and every path ends with
+SIGKILL to each rank's process group (so processes a rank started with subprocess or os.fork
+go too) and a reap, even when Ctrl-C is pressed twice. Ranks also die with their parent
+(PR_SET_PDEATHSIG) if the caller itself is killed; the rendezvous directory such a killed
+caller leaves behind is removed by the next `launch`.
 
 Under `torchrun`, call `init_distributed()` instead: it reads torchrun's environment.
 """
@@ -23,16 +29,20 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import glob
 import importlib
 import multiprocessing as mp
 import os
 import pickle
 import re
+import shutil
 import signal
 import sys
 import tempfile
 import time
 import traceback
+import types
+import warnings
 from datetime import timedelta
 from multiprocessing.connection import wait
 
@@ -42,18 +52,32 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.distributed.distributed_c10d as distributed_c10d  # noqa: E402
 
 from zero_lab import comm_ledger  # noqa: E402
 
 DEFAULT_TIMEOUT = 120.0
+PROCESS_GROUP_TIMEOUT_MARGIN = 60.0
+FAILURE_GRACE = 5.0  # seconds to wait for the rank that broke the connections, once a peer reports it
+RENDEZVOUS_PREFIX = "zero_lab_rendezvous_"
+# How a rank reports that a peer went away: its error is a consequence, not the cause.
+TRANSPORT_ERROR = re.compile(r"Connection (reset|closed) by peer|Broken pipe|gloo/transport|DistNetworkError"
+                             r"|NCCL communicator was aborted|ncclRemoteError")
+_in_rank = False  # True in a process that launch started
 
 
 class RankFailed(RuntimeError):
-    """A rank raised an exception or died; `rank` and `rank_traceback` say which and where."""
+    """A rank raised an exception or died; `rank` and `rank_traceback` say which and where.
 
-    def __init__(self, rank: int, world_size: int, rank_traceback: str):
+    `others` maps the ranks that failed after it (often: lost their connection to it) to the
+    last line of their error.
+    """
+
+    def __init__(self, rank: int, world_size: int, rank_traceback: str, others: dict[int, str] | None = None):
         self.rank, self.world_size, self.rank_traceback = rank, world_size, rank_traceback
-        super().__init__(f"rank {rank} of {world_size} failed:\n{rank_traceback}")
+        self.others = others or {}
+        then = "".join(f"\nthen rank {r} failed: {line}" for r, line in sorted(self.others.items()))
+        super().__init__(f"rank {rank} of {world_size} failed:\n{rank_traceback.rstrip()}{then}")
 
 
 class RanksHung(TimeoutError):
@@ -78,8 +102,12 @@ def init_distributed(timeout: float | None = None, init_method: str = "env://") 
     """Join the default process group from environment variables; return this rank's device.
 
     Works under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and inside
-    `launch`, which sets the same variables. A no-op if the group already exists.
+    `launch`, which sets the same variables. A no-op if the group already exists. Under
+    torchrun the worker dies with its agent, as `launch`'s ranks die with their parent: a
+    worker whose agent was killed would otherwise keep training with the other machines.
     """
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        _die_with_parent()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if transport() == "nccl" else torch.device("cpu")
     if device.type == "cuda":
@@ -98,8 +126,14 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _rank_main(fn, args, kwargs, rank, world_size, store_file, conn, stack_file, timeout):
+def _rank_main(fn, args, kwargs, rank, world_size, store_file, conn, stack_file, timeout, restore):
+    global _in_rank
+    if restore:
+        _restore_as_imported()
+    _in_rank = True
     _die_with_parent()
+    os.setsid()  # a process group of its own: launch kills whatever this rank starts along with it
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the parent while it forked
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -111,7 +145,9 @@ def _rank_main(fn, args, kwargs, rank, world_size, store_file, conn, stack_file,
     try:
         # Rendezvous through a file, not a TCP store: no rank can try to connect before the
         # store's server listens (c10d's retry path can stall for seconds on a reverse-DNS lookup).
-        init_distributed(timeout=timeout, init_method=f"file://{store_file}")
+        # The group's own timeout comes after launch's, which then reports the hang (RanksHung,
+        # with stacks) instead of racing gloo's "Timed out waiting" error.
+        init_distributed(timeout=timeout + PROCESS_GROUP_TIMEOUT_MARGIN, init_method=f"file://{store_file}")
         message = ("ok", fn(*args, **kwargs))
     except BaseException:
         message = ("error", traceback.format_exc())
@@ -148,8 +184,51 @@ def launch(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, **kwarg
 
     Results travel back by pickle, so return plain data (numbers, lists, dicts, CPU tensors).
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    return _launch(fn, world_size, args, kwargs, timeout, restore=False)
+
+
+def launch_restored(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> list:
+    """`launch` for tests that grade code: each rank first puts torch.distributed and the comm
+    ledger back as they were when zero_lab was imported, before any learner code ran.
+
+    A monkey-patch made since (`dist.all_reduce = lambda *a, **k: None`, a stubbed ledger
+    recorder, `dist` rebound to a fake in the notebook) has no effect in the ranks, so what a
+    test computes there with torch.distributed is true, and a CommLedger there counts what
+    really went through the process group the launcher made.
+    """
+    return _launch(fn, world_size, args, kwargs, timeout, restore=True)
+
+
+def _snapshot_as_imported() -> list:
+    """(namespace, {name: callable or module}) for everything launch_restored puts back."""
+    namespaces = [dist, distributed_c10d, comm_ledger, comm_ledger.CommLedger, comm_ledger.CountingProcessGroup,
+                  dist.ProcessGroup, dist.ProcessGroupGloo, dist.Work, sys.modules[__name__]]
+    with warnings.catch_warnings():  # callable() on torch.distributed.reduce_op warns that it is deprecated
+        warnings.simplefilter("ignore")
+        saved = [(ns, {k: v for k, v in vars(ns).items() if callable(v) or isinstance(v, types.ModuleType)})
+                 for ns in namespaces]
+    main = sys.modules.get("__main__")  # the notebook: names bound to modules, e.g. `dist`
+    if main is not None:
+        saved.append((main, {k: v for k, v in vars(main).items() if isinstance(v, types.ModuleType)}))
+    return saved
+
+
+def _restore_as_imported() -> None:
+    for namespace, saved in _AS_IMPORTED:
+        current = vars(namespace)
+        for name, value in saved.items():
+            if current.get(name) is not value:
+                setattr(namespace, name, value)
+
+
+def _launch(fn, world_size, args, kwargs, timeout, restore):
+    if _in_rank:
+        raise RuntimeError("zero_lab.launch was called inside a rank of another launch: every rank is "
+                           "already a process of the group; call the function directly")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int of at least 1, got {world_size!r}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if transport() == "nccl" and torch.cuda.device_count() < world_size:
         raise ValueError(
             f"world_size={world_size} needs one GPU per rank, but {torch.cuda.device_count()} are visible; "
@@ -169,59 +248,142 @@ def launch(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, **kwarg
     # Building any torch.optim optimizer imports torch._dynamo (~2 s). Importing it here, once,
     # lets every forked rank inherit it instead of paying for it in each launch.
     importlib.import_module("torch._dynamo")
+    _remove_stale_rendezvous_dirs()
 
     ctx = mp.get_context("fork")
-    store_dir = tempfile.TemporaryDirectory(prefix="zero_lab_rendezvous_")
-    store_file = os.path.join(store_dir.name, "store")
+    store_dir = tempfile.mkdtemp(prefix=f"{RENDEZVOUS_PREFIX}{os.getpid()}_")
+    store_file = os.path.join(store_dir, "store")
     procs, conns, stack_files = [], [], []
     try:
-        for rank in range(world_size):
-            parent_end, child_end = ctx.Pipe(duplex=False)
-            stack_file = tempfile.TemporaryFile(mode="w+")
-            proc = ctx.Process(
-                target=_rank_main,
-                args=(fn, args, kwargs, rank, world_size, store_file, child_end, stack_file, timeout),
-                daemon=True,
-            )
-            proc.start()
-            child_end.close()
-            procs.append(proc)
-            conns.append(parent_end)
-            stack_files.append(stack_file)
+        # Ctrl-C waits until every started rank is on the list that the cleanup below kills.
+        with _sigint_deferred():
+            for rank in range(world_size):
+                parent_end, child_end = ctx.Pipe(duplex=False)
+                conns.append(parent_end)
+                stack_files.append(tempfile.TemporaryFile(mode="w+"))
+                proc = ctx.Process(
+                    target=_rank_main,
+                    args=(fn, args, kwargs, rank, world_size, store_file, child_end, stack_files[-1], timeout,
+                          restore),
+                    daemon=True,
+                )
+                proc.start()
+                procs.append(proc)
+                child_end.close()
         return _collect(procs, conns, stack_files, timeout)
     finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-        for proc in procs:
-            proc.join()
-        for item in conns + stack_files:
-            item.close()
-        store_dir.cleanup()
+        _clean_up(procs, conns + stack_files, store_dir)
+
+
+class _sigint_deferred:
+    """Block SIGINT in this thread inside the block; a Ctrl-C pressed meanwhile arrives after it."""
+
+    def __enter__(self):
+        self.previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+    def __exit__(self, *exc):
+        signal.pthread_sigmask(signal.SIG_SETMASK, self.previous)
+
+
+def _clean_up(procs, closables, store_dir) -> None:
+    """Kill every rank's process group, reap the ranks, close and remove what launch made.
+
+    Re-entrant: a KeyboardInterrupt (a second Ctrl-C) in the middle restarts it, and is
+    raised once everything is cleaned up.
+    """
+    interrupted = None
+    while True:
+        try:
+            with _sigint_deferred():
+                for proc in procs:
+                    _kill_group(proc)
+                for proc in procs:
+                    proc.join()
+                for item in closables:
+                    item.close()
+                shutil.rmtree(store_dir, ignore_errors=True)
+            break
+        except KeyboardInterrupt as interrupt:  # delivered just before SIGINT was blocked
+            interrupted = interrupt
+    if interrupted is not None:
+        raise interrupted
+
+
+def _kill_group(proc) -> None:
+    if proc.exitcode is None:
+        proc.kill()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # what the rank started (its group outlives the rank)
+    except (ProcessLookupError, PermissionError):
+        pass  # no such group: the rank had not called setsid yet, or its group is empty
+
+
+def _remove_stale_rendezvous_dirs() -> None:
+    """Remove the rendezvous directories of earlier callers that were killed before cleaning up."""
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{RENDEZVOUS_PREFIX}*_*")):
+        owner = os.path.basename(path)[len(RENDEZVOUS_PREFIX):].split("_")[0]
+        if owner.isdigit() and not _process_exists(int(owner)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def _collect(procs, conns, stack_files, timeout):
     world_size = len(procs)
     results: dict[int, object] = {}
+    failures: dict[int, tuple[str, bool]] = {}  # rank -> (what happened, whether it is the cause)
     deadline = time.monotonic() + timeout
-    while len(results) < world_size:
-        pending = [r for r in range(world_size) if r not in results]
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            _raise_hung(pending, procs, stack_files, timeout)
+    grace_end = None
+    while len(results) + len(failures) < world_size:
+        pending = [r for r in range(world_size) if r not in results and r not in failures]
+        if any(cause for _, cause in failures.values()):
+            break
+        if failures:  # only peers that lost their connection so far: wait for the rank that broke it
+            grace_end = grace_end or time.monotonic() + FAILURE_GRACE
+            remaining = grace_end - time.monotonic()
+            if remaining <= 0:
+                break
+        else:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                _raise_hung(pending, procs, stack_files, timeout)
         ready = wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending], remaining)
         for rank in pending:
-            if conns[rank] not in ready and procs[rank].sentinel not in ready:
-                continue
-            try:
-                status, payload = pickle.loads(conns[rank].recv_bytes())
-            except EOFError:  # the pipe closed with nothing in it: the process died
-                procs[rank].join(1)
-                raise RankFailed(rank, world_size, f"the process died without a Python exception ({_exit_reason(procs[rank])})")
-            if status == "error":
-                raise RankFailed(rank, world_size, payload)
-            results[rank] = payload
+            if conns[rank] in ready or procs[rank].sentinel in ready:
+                _receive(rank, procs[rank], conns[rank], results, failures)
+    if failures:
+        causes = [rank for rank, (_, cause) in failures.items() if cause] or list(failures)
+        first = causes[0]  # dicts keep arrival order
+        others = {rank: text.strip().splitlines()[-1][:200] for rank, (text, _) in failures.items() if rank != first}
+        raise RankFailed(first, world_size, failures[first][0], others)
     return [results[r] for r in range(world_size)]
+
+
+def _receive(rank, proc, conn, results, failures) -> None:
+    try:
+        data = conn.recv_bytes()
+    except EOFError:  # the pipe closed with nothing in it: the process died
+        proc.join(1)
+        failures[rank] = (f"the process died without a Python exception ({_exit_reason(proc)})", True)
+        return
+    try:
+        status, payload = pickle.loads(data)
+    except Exception as error:
+        failures[rank] = (f"its result could not be unpickled in the parent ({type(error).__name__}: {error}); "
+                          "return plain data: numbers, lists, dicts, CPU tensors", True)
+        return
+    if status == "ok":
+        results[rank] = payload
+    else:
+        failures[rank] = (payload, not TRANSPORT_ERROR.search(payload))
 
 
 def _exit_reason(proc) -> str:
@@ -240,3 +402,6 @@ def _raise_hung(pending, procs, stack_files, timeout):
         stacks[rank] = stack_files[rank].read().split("in _rank_main")[0].rsplit("\n", 1)[0]
     stuck = {rank: _blocked_in(stacks[rank]) for rank in pending}
     raise RanksHung(timeout, len(procs), stuck, stacks)
+
+
+_AS_IMPORTED = _snapshot_as_imported()  # last: the functions above are part of it

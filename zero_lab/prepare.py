@@ -18,24 +18,35 @@ Options besides the optimizer's own (lr, betas, weight_decay, ...):
     bucket_numel=   stage 2: elements per gradient bucket
 Defaults keep the model's dtype. Anything else is refused with an error that names the fix.
 Call it on every rank, inside zero_lab.launch or after zero_lab.init_distributed().
+
+The optimizer is a torch.optim.Optimizer (LR schedulers, param_groups, state_dict) and
+torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) clips by the global norm at every
+stage. Preparing the same model again (re-running a cell) detaches the earlier preparation's
+hooks. BatchNorm running statistics stay per rank, computed on each rank's shard of the batch
+(prepare warns): on GPUs convert the model with torch.nn.SyncBatchNorm.convert_sync_batchnorm
+for statistics over the global batch; on CPU use LayerNorm/GroupNorm, or keep rank 0's.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import warnings
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 MODULES = {0: "zero_lab.ddp", 1: "zero_lab.zero1", 2: "zero_lab.zero2"}
 LESSONS = {0: "02_ddp", 1: "03_zero1", 2: "04_zero2"}
 ZERO_OPTIONS = {0: {"param_dtype"}, 1: {"param_dtype", "max_grad_norm"}, 2: {"param_dtype", "max_grad_norm", "bucket_numel"}}
 PARAM_DTYPES = (torch.float32, torch.bfloat16)
+_prepared = WeakIdKeyDictionary()  # model -> what prepare made of it last (holds its gradient hooks)
 
 
 def prepare(model: torch.nn.Module, optimizer_class: type, stage: int = 0, *, params=None, **options):
     """Return (model, optimizer) set up for data-parallel training with the given ZeRO stage."""
+    model = next((m for m, made in _prepared.items() if made is model), model)  # given stage 0's wrapper back
     _check_setup(model, optimizer_class, stage)
     zero_options = {k: options.pop(k) for k in list(options) if k in ZERO_OPTIONS[stage]}
     _check_options(optimizer_class, stage, options)
@@ -48,14 +59,22 @@ def prepare(model: torch.nn.Module, optimizer_class: type, stage: int = 0, *, pa
         raise RuntimeError(f"stage {stage} needs {MODULES[stage]}, which does not exist yet: "
                            f"run `zero-lab build {LESSONS[stage]}`") from None
     param_dtype = zero_options.get("param_dtype")
+    _warn_about_batch_norm(model)
+    previous = _prepared.pop(model, None)
+    if previous is not None:  # prepared before (a re-run cell): start afresh
+        for handle in getattr(previous, "hook_handles", []):
+            handle.remove()  # they would reduce every gradient again, or hand the new optimizer zeros
+        model.zero_grad(set_to_none=True)  # views into the old optimizer's buffers
     if stage == 0:
-        model, optimizer = _prepare_ddp(module, model, optimizer_class, params, param_dtype, options)
+        wrapped, optimizer = _prepare_ddp(module, model, optimizer_class, params, param_dtype, options)
+        _prepared[model] = wrapped
     else:
         optimizer_type = module.Zero1Optimizer if stage == 1 else module.Zero2Optimizer
-        optimizer = optimizer_type(model, optimizer_class, params, **zero_options, **options)
+        wrapped = model
+        _prepared[model] = optimizer = optimizer_type(model, optimizer_class, params, **zero_options, **options)
     if param_dtype is not None:
         model.to(param_dtype)  # frozen parameters and buffers too; the fp32 masters were taken before
-    return model, optimizer
+    return wrapped, optimizer
 
 
 def _prepare_ddp(ddp, model, optimizer_class, params, param_dtype, options):
@@ -74,6 +93,8 @@ def _check_setup(model, optimizer_class, stage) -> None:
     if not dist.is_initialized():
         raise RuntimeError("prepare needs a process group: call it inside zero_lab.launch(fn, world_size), "
                            "or after zero_lab.init_distributed() under torchrun")
+    if type(stage) is not int:  # True == 1 and 1.0 == 1 would pass the checks below
+        raise TypeError(f"stage must be the int 0, 1 or 2, got {stage!r} ({type(stage).__name__})")
     if stage == 3:
         raise ValueError("stage 3 (P_os+g+p) is not built in this course: use FSDP2, "
                          "torch.distributed.fsdp.fully_shard(model) (reshard_after_forward=True)")
@@ -88,6 +109,11 @@ def _check_setup(model, optimizer_class, stage) -> None:
         raise ValueError(f"stage {stage} runs the optimizer on a flat shard that cuts through tensors, so its "
                          f"update must be element-wise: use {names} (or stage=0 for {optimizer_class.__name__})")
     devices = {p.device for p in model.parameters()}
+    if not devices:
+        raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to train")
+    if torch.device("meta") in devices:
+        raise ValueError("the model is on the meta device (shapes, no values): materialise it first, "
+                         "e.g. model.to_empty(device='cpu') and initialise its weights, or build it on CPU")
     if len(devices) != 1:
         raise ValueError(f"the model's parameters are on {sorted(map(str, devices))}: move the model to one device first")
 
@@ -119,3 +145,13 @@ def _check_dtypes(model, param_dtype) -> None:
     if not dtypes <= set(PARAM_DTYPES) or len(dtypes) > 1:
         raise ValueError(f"trainable parameters must all be float32 or all bfloat16, found {sorted(map(str, dtypes))}: "
                          "convert the model with model.float() and pass param_dtype=torch.bfloat16 for mixed precision")
+
+
+def _warn_about_batch_norm(model) -> None:
+    norms = [name for name, m in model.named_modules()
+             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm)]
+    if norms and dist.get_rank() == 0:
+        warnings.warn(f"BatchNorm layers {norms} keep running statistics per rank, each over its own shard of the "
+                      "batch, so they differ across ranks and from one process's (DDP users expect SyncBatchNorm): "
+                      "on GPUs convert the model with torch.nn.SyncBatchNorm.convert_sync_batchnorm(model); on CPU "
+                      "(SyncBatchNorm needs a GPU) use LayerNorm or GroupNorm, or save rank 0's", stacklevel=3)

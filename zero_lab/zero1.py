@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from zero_lab.optim import OptimizerOverCopies, hold_gradients
+
 
 @dataclass(frozen=True)
 class ShardLayout:
@@ -130,7 +132,14 @@ class FlatGroup:
 def param_groups_of(model: torch.nn.Module, params=None) -> list[dict]:
     """Param groups as torch.optim takes them (tensors or dicts), default all of `model`'s."""
     params = list(model.parameters() if params is None else params)
-    return [dict(g) for g in params] if params and isinstance(params[0], dict) else [{"params": params}]
+    groups = [dict(g) for g in params] if params and isinstance(params[0], dict) else [{"params": params}]
+    for g in groups:
+        g["params"] = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+    listed = [id(p) for g in groups for p in g["params"]]
+    if len(listed) != len(set(listed)):  # it would get two places in the buffers, two updates per step
+        raise ValueError("some parameters appear more than once in the param groups (as torch.optim, "
+                         "which refuses them too): list each parameter once")
+    return groups
 
 
 def gather_shards(shard: torch.Tensor, dst: int) -> torch.Tensor | None:
@@ -183,13 +192,13 @@ class ShardedCheckpoint:
             gathered = {key: gather_shards(shard, dst) for key, shard in shards.items()}
             if self.rank != dst:
                 continue
-            scalars = {k: v.clone() for k, v in state.items() if v.dim() == 0}  # Adam's step count
+            scalars = {k: v for k, v in state.items() if v.dim() == 0}  # Adam's step count
             for key, full in gathered.items():
                 for p, view in zip(group.params, param_views(full, group.params)):
                     if key == "master":
                         full_values[p] = view.clone()
-                    else:
-                        full_states.setdefault(p, dict(scalars))[key] = view.clone()
+                    else:  # a step tensor per parameter: torch.optim increments each one in place
+                        full_states.setdefault(p, {k: v.clone() for k, v in scalars.items()})[key] = view.clone()
         if self.rank != dst:
             return None
         model_state = {k: v.float() if v.is_floating_point() else v.clone() for k, v in self.model.state_dict().items()}
@@ -209,12 +218,15 @@ class ShardedCheckpoint:
         return {"state": state, "param_groups": groups}
 
 
-class Zero1Optimizer(ShardedCheckpoint):
+class Zero1Optimizer(ShardedCheckpoint, OptimizerOverCopies):
     """ZeRO stage 1 around an element-wise torch optimizer (AdamW by default).
 
     Every rank keeps the whole model in the compute dtype and whole gradients; only this rank's
     shard of each flat param group has an fp32 master copy and optimizer state. The ordinary
-    loop works: `loss.backward(); optimizer.step(); optimizer.zero_grad()`.
+    loop works: `loss.backward(); optimizer.step(); optimizer.zero_grad()`. It is a
+    torch.optim.Optimizer whose param_groups are the inner optimizer's (one per flat group), so
+    LR schedulers and changes to param_groups[i]["lr"] work as usual, and
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) clips by the global norm.
 
     params         tensors or param-group dicts, as for torch.optim (default: model.parameters());
                    frozen parameters (requires_grad=False) are left out
@@ -238,7 +250,8 @@ class Zero1Optimizer(ShardedCheckpoint):
             group = self._flatten_group(trainable, param_dtype)
             self.groups.append(group)
             inner_groups.append({**options, "params": [group.master]})
-        self.optimizer = optimizer_class(inner_groups, **defaults)
+        super().__init__(optimizer_class(inner_groups, **defaults))
+        hold_gradients(self, [p for g in self.groups for p in g.params])
         self.last_grad_norm = None
 
     def _flatten_group(self, params, param_dtype) -> FlatGroup:
@@ -262,11 +275,6 @@ class Zero1Optimizer(ShardedCheckpoint):
             p.grad = view
         return flat_grad
 
-    @property
-    def param_groups(self) -> list[dict]:
-        """The inner optimizer's groups (one fp32 shard each): change "lr" here as usual."""
-        return self.optimizer.param_groups
-
     def reduce_gradients(self) -> list[torch.Tensor]:
         """Each group's averaged gradient shard. Stage 1: one reduce-scatter per flat buffer."""
         shards = []
@@ -285,22 +293,40 @@ class Zero1Optimizer(ShardedCheckpoint):
                 p.grad = view
 
     @torch.no_grad()
-    def step(self) -> None:
-        for group, grad_shard in zip(self.groups, self.reduce_gradients()):
-            group.master.grad = grad_shard.to(MASTER_DTYPE)
+    def _reduce_into_masters(self) -> None:
+        """Give each fp32 master its averaged gradient shard, once per step."""
+        if self.groups[0].master.grad is None:
+            for group, grad_shard in zip(self.groups, self.reduce_gradients()):
+                group.master.grad = grad_shard.to(MASTER_DTYPE)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the averaged gradient to global L2 norm <= max_norm before step(); return the norm.
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) calls this."""
+        self._reduce_into_masters()
+        return clip_grad_norm_([g.master.grad for g in self.groups],
+                               [g.layout.real_numel(self.rank) for g in self.groups], max_norm)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:  # as torch.optim: re-evaluate the loss (forward and backward)
+            with torch.enable_grad():
+                loss = closure()
+        self._reduce_into_masters()
         if self.max_grad_norm is not None:
-            self.last_grad_norm = clip_grad_norm_(
-                [g.master.grad for g in self.groups],
-                [g.layout.real_numel(self.rank) for g in self.groups], self.max_grad_norm)
+            self.last_grad_norm = self.clip_grad_norm_(self.max_grad_norm)
         self.optimizer.step()
         for group in self.groups:
             group.master.grad = None  # the fp32 gradient shard lives only during the step
             all_gather_params(group.flat_param, group.master)
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buffers in place; `set_to_none` is ignored (the .grad views must stay)."""
         for group in self.groups:
             group.flat_grad.zero_()
+            group.master.grad = None  # a clipped gradient not yet stepped on
 
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What this rank holds, for zero_lab.memory_ledger (shared storages are counted once)."""

@@ -111,7 +111,8 @@ class Zero2Optimizer(Zero1Optimizer):
     bucket_numel  elements per gradient bucket (a parameter larger than that is a bucket alone).
     Several backward passes before step() accumulate in the shards (gradient accumulation);
     each of them communicates, since the full gradients it produces are freed once reduced.
-    Call optimizer.zero_grad(): model.zero_grad() cannot reach the shards.
+    Call optimizer.zero_grad() after step(): model.zero_grad() cannot reach the shards, so a
+    backward after step() without it raises instead of adding to the old gradients.
     """
 
     stage = 2
@@ -128,8 +129,8 @@ class Zero2Optimizer(Zero1Optimizer):
         self.next_bucket = 0  # buckets are launched strictly in order, the same on every rank
         self.in_flight = None  # the bucket being reduce-scattered: at most one
         self.final_callback_queued = False
-        for p in self.bucket_of:
-            p.register_post_accumulate_grad_hook(self._on_gradient_ready)
+        self.shards_used = False  # step() used the shards: zero_grad() must come before the next backward
+        self.hook_handles = [p.register_post_accumulate_grad_hook(self._on_gradient_ready) for p in self.bucket_of]
 
     def _new_flat_grad(self, flat_param, params):
         for p in params:
@@ -143,6 +144,10 @@ class Zero2Optimizer(Zero1Optimizer):
 
     def _on_gradient_ready(self, param) -> None:
         if not self.final_callback_queued:
+            if self.shards_used:
+                raise RuntimeError("backward after optimizer.step() without optimizer.zero_grad(): stage 2 keeps "
+                                   "the gradients in shards that model.zero_grad() cannot reach, so they would add "
+                                   "to the last step's. Call optimizer.zero_grad() after optimizer.step().")
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self.final_callback_queued = True
         self.bucket_of[param].ready.add(param)
@@ -175,12 +180,15 @@ class Zero2Optimizer(Zero1Optimizer):
 
     def reduce_gradients(self) -> list[torch.Tensor]:
         """The averaged gradient shards: complete as soon as backward has returned."""
+        self.shards_used = True
         return self.grad_shards
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient shards in place (set_to_none is ignored: they are reused)."""
-        for shard in self.grad_shards:
+        for shard, group in zip(self.grad_shards, self.groups):
             shard.zero_()
+            group.master.grad = None  # a clipped gradient not yet stepped on
+        self.shards_used = False
 
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         tensors = super().model_state_tensors()

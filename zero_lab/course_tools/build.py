@@ -7,6 +7,8 @@ temporary course); `build` writes them, `check` compares them with the files on 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -17,12 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
+from nbgrader.preprocessors import NbGraderPreprocessor
 
-from zero_lab.implementation import REPO
+from zero_lab.course_tools.implementation import REPO
 
 CONFIG_NAME = "nbgrader_config.py"
 SOURCE_DIR, COURSE_DIR, PACKAGE_DIR = "solutions", "course", "zero_lab"
 FIX = "run `zero-lab build`"
+# What the build last wrote (repo-relative path -> sha256), to tell its own files from edits.
+MANIFEST = ".zero-lab/built.json"
 GENERATED_PREFIX = "# Generated from "
 
 DIRECTIVE = re.compile(r"#\|\s*(\w+)\s*(.*)")
@@ -112,6 +117,38 @@ def grading_metadata(directive: Directive | None, source: str, where: str) -> di
     return None
 
 
+# Jupyter writes these when a notebook first opens: present from the start, the committed
+# notebooks open unmodified.
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+LANGUAGE_INFO = {"codemirror_mode": {"name": "ipython", "version": 3}, "file_extension": ".py",
+                 "mimetype": "text/x-python", "name": "python", "nbconvert_exporter": "python",
+                 "pygments_lexer": "ipython3"}
+# JupyterLab's Run All goes on past an error in a cell with this tag.
+RUN_ALL_CONTINUES = "raises-exception"
+
+
+def learner_edition(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """Run All runs to the end: every code cell from the first exercise on may fail (an
+    unfinished exercise raises NotImplementedError) without stopping the run."""
+    exercise_seen = False
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        exercise_seen = exercise_seen or cell.metadata.get("nbgrader", {}).get("solution", False)
+        tags = cell.metadata.get("tags", [])
+        if exercise_seen and RUN_ALL_CONTINUES not in tags:
+            cell.metadata["tags"] = [*tags, RUN_ALL_CONTINUES]
+    return nb
+
+
+class LearnerEdition(NbGraderPreprocessor):
+    """`learner_edition` as the last step of `nbgrader generate_assignment` (nbgrader_config.py),
+    so the instructor's nbgrader and `zero-lab build` write the same course/."""
+
+    def preprocess(self, nb, resources):
+        return learner_edition(nb), resources
+
+
 def is_generated(module_file: Path) -> bool:
     with open(module_file) as f:
         return f.readline().startswith(GENERATED_PREFIX)
@@ -129,6 +166,8 @@ def notebook_text(nb: nbformat.NotebookNode) -> str:
 def annotate(nb: nbformat.NotebookNode, where: str) -> nbformat.NotebookNode:
     """A copy of a source notebook with nbgrader metadata from its directives, outputs cleared."""
     nb = nbformat.from_dict(nb)
+    nb.metadata.kernelspec = dict(KERNELSPEC)
+    nb.metadata.language_info = dict(LANGUAGE_INFO)
     seen: dict[str, int] = {}
     for index, cell in enumerate(nb.cells):
         cell_where = f"{where}, cell {index}"
@@ -257,31 +296,86 @@ def stale_files(repo: Path, rendered: Rendered, all_lessons: bool) -> list[Path]
     return stale
 
 
+def sha256(content: bytes) -> str:
+    return hashlib.sha256(content).hexdigest()
+
+
+def read_manifest(repo: Path) -> dict[str, str]:
+    path = repo / MANIFEST
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def write_manifest(repo: Path, written: dict[str, bytes]) -> None:
+    path = repo / MANIFEST
+    path.parent.mkdir(exist_ok=True)
+    entries = {**read_manifest(repo), **{relative: sha256(content) for relative, content in written.items()}}
+    path.write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
+
+
+def uncommitted(repo: Path) -> set[str] | None:
+    """Repo-relative paths under course/ with uncommitted changes (None: not a git checkout)."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+    prefix = git("rev-parse", "--show-prefix")
+    if prefix.returncode != 0 or prefix.stdout.strip():
+        return None
+    status = git("status", "--porcelain=v1", "-z", "--untracked-files=all", "--", COURSE_DIR).stdout
+    return {entry[3:] for entry in status.split("\0") if len(entry) > 3}
+
+
+def edited_by_hand(repo: Path, replaced: dict[str, bytes | None]) -> list[str]:
+    """Files about to be replaced (or removed: None) that hold edits the build did not make."""
+    built, dirty = read_manifest(repo), None
+    problems = []
+    for relative, content in sorted(replaced.items()):
+        path = repo / relative
+        if not path.is_file() or path.read_bytes() == content or built.get(relative) == sha256(path.read_bytes()):
+            continue
+        if dirty is None:
+            dirty = uncommitted(repo)
+        if dirty is not None and relative not in dirty:
+            continue  # as committed: what a build wrote
+        lesson = Path(relative).parts[1]
+        problems.append(
+            f"{relative}: not overwritten, it has edits `zero-lab build` did not make (answers? learners "
+            f"work in their own copy: `zero-lab start {lesson}`). Save what you need, then "
+            f"`git checkout -- {relative}` (or delete it) and build again.")
+    return problems
+
+
 def build(repo: Path = REPO, names: list[str] | None = None) -> list[str]:
-    """Write every generated file; return the repo-relative paths that changed."""
+    """Write every generated file; return the repo-relative paths that changed.
+
+    Refuses (BuildError, nothing written) when a course/ file it would replace or remove was
+    edited: it differs both from what the build last wrote and from the committed version."""
     lessons = find_lessons(repo, names)
     rendered = render(repo, lessons)
-    changed = []
-    for path in stale_files(repo, rendered, all_lessons=not names):
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-        changed.append(f"{path.relative_to(repo).as_posix()} (removed)")
+    stale = stale_files(repo, rendered, all_lessons=not names)
     for lesson, nb in rendered.sources.items():
         rendered.files[f"{SOURCE_DIR}/{lesson}/{lesson}.ipynb"] = notebook_text(nb).encode()
-    for lesson in lessons:  # nbgrader's output replaces the whole learner folder
-        course_dir = repo / COURSE_DIR / lesson
-        for path in sorted(course_dir.rglob("*")):
-            if path.is_file() and path.relative_to(repo).as_posix() not in rendered.files:
-                path.unlink()
-                changed.append(f"{path.relative_to(repo).as_posix()} (removed)")
+    removed = [p for path in stale for p in ([path] if path.is_file() else sorted(path.rglob("*")))]
+    removed += [path for lesson in lessons for path in sorted((repo / COURSE_DIR / lesson).rglob("*"))
+                if path.relative_to(repo).as_posix() not in rendered.files]  # nbgrader's output replaces the folder
+    removed = [path for path in removed if path.is_file()]
+    replaced = {path.relative_to(repo).as_posix(): None for path in removed}
+    replaced.update(rendered.files)
+    replaced = {relative: content for relative, content in replaced.items() if relative.startswith(COURSE_DIR + "/")}
+    if problems := edited_by_hand(repo, replaced):
+        raise BuildError("\n".join(problems))
+    changed = []
+    for path in removed:
+        path.unlink()
+        changed.append(f"{path.relative_to(repo).as_posix()} (removed)")
+    for path in stale:
+        if path.is_dir():
+            shutil.rmtree(path)
     for relative, content in rendered.files.items():
         path = repo / relative
         if not path.exists() or path.read_bytes() != content:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(content)
             changed.append(relative)
+    write_manifest(repo, rendered.files)
     return changed
 
 

@@ -1,0 +1,90 @@
+"""Shared fixtures. `graded` grades each edition of each lesson once per test run.
+
+    def test_mutant_loses_points(graded):
+        report = graded("00_collectives", "learner")      # or "solution"
+        assert report.by_id["test_ring_all_reduce"].earned == 0
+
+Both editions of a lesson are graded in one nbgrader run (one gradebook, two students), two
+lessons at a time in the background: the lessons the collected tests name (a `lesson`
+parameter) start right after collection, while other tests run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from zero_lab.course_tools import build, grading
+from zero_lab.course_tools.implementation import REPO
+
+EDITIONS = {"solution": build.SOURCE_DIR, "learner": build.COURSE_DIR}
+GRADING_TIMEOUT = 1800  # a test may wait for the queue of lessons ahead of it
+PARALLEL = 2
+
+
+def edition_notebook(lesson: str, edition: str) -> Path:
+    return REPO / EDITIONS[edition] / lesson / f"{lesson}.ipynb"
+
+
+class Graded:
+    """graded(lesson, edition) -> grading.Report, computed once per lesson and cached."""
+
+    def __init__(self, lessons: list[str]):
+        self.pool = ThreadPoolExecutor(PARALLEL, thread_name_prefix="grading")
+        self.futures = {}
+        for lesson in lessons:
+            self.submit(lesson)
+
+    def submit(self, lesson: str):
+        if lesson not in self.futures:
+            notebooks = {edition: edition_notebook(lesson, edition) for edition in EDITIONS}
+            self.futures[lesson] = self.pool.submit(grading.grade_many, lesson, notebooks)
+        return self.futures[lesson]
+
+    def __call__(self, lesson: str, edition: str) -> grading.Report:
+        assert edition in EDITIONS, f"edition is one of {list(EDITIONS)}"
+        return self.submit(lesson).result()[edition]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that use `graded` may wait for grading: a longer timeout; note their lessons."""
+    lessons = []
+    for item in items:
+        if "graded" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.timeout(GRADING_TIMEOUT))
+            lesson = getattr(item, "callspec", None) and item.callspec.params.get("lesson")
+            if lesson and lesson not in lessons:
+                lessons.append(lesson)
+    if lessons:
+        config.grader = Graded(lessons)
+
+
+def pytest_unconfigure(config):
+    if hasattr(config, "grader"):
+        config.grader.pool.shutdown(cancel_futures=True)
+
+
+@pytest.fixture(scope="session")
+def graded(request):
+    if not hasattr(request.config, "grader"):
+        request.config.grader = Graded([])
+    return request.config.grader
+
+
+COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", "work", "mine", "__pycache__", ".pytest_cache", "*.egg-info",
+                                     ".zero-lab", "gradebook.db", "exchange", "submitted", "autograded", "feedback")
+
+
+@pytest.fixture
+def repo_copy(tmp_path):
+    """(copy, env): the working tree in a temporary folder, and an environment in which
+    ./quickstart and `zero-lab` there use this venv but the copy's files (its own work/)."""
+    copy = tmp_path / "zero-lab"
+    shutil.copytree(REPO, copy, ignore=COPY_IGNORE)
+    env = dict(os.environ, ZERO_LAB_VENV=sys.prefix, PYTHONPATH=str(copy), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"))
+    return copy, env

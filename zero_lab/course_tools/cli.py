@@ -1,0 +1,136 @@
+"""The `zero-lab` command: start a lesson in your workspace, grade it, use your own code; build the course."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from zero_lab.course_tools import build, grading, workspace
+from zero_lab.course_tools.implementation import REPO, mine_dir
+
+
+def run_build(args) -> int:
+    if args.check:
+        problems = build.check(names=args.lessons)
+        for problem in problems:
+            print(problem, file=sys.stderr)
+        print("zero-lab build --check:", f"{len(problems)} problem(s)" if problems else "up to date")
+        return 1 if problems else 0
+    changed = build.build(names=args.lessons)
+    print("\n".join(f"wrote {path}" for path in changed) or "nothing to change")
+    return 0
+
+
+def run_start(args) -> int:
+    started = workspace.start(args.lesson, fresh=args.fresh, side_by_side=args.side_by_side)
+    print("\n".join(started.messages), file=sys.stderr)
+    print(started.notebook.relative_to(REPO))  # the notebook to open (./quickstart lab opens it)
+    return 0
+
+
+def show_progress(line: str) -> None:
+    if sys.stderr.isatty():
+        print(f"\r{line:<78}", end="", file=sys.stderr, flush=True)
+
+
+def run_grade(args) -> int:
+    notebook = workspace.default_notebook(args.lesson)
+    print(f"grading {notebook} (visible and hidden tests) ...", file=sys.stderr)
+    report = grading.grade(notebook, progress=show_progress)
+    show_progress("")
+    print(grading.score_table(report))
+    return 0
+
+
+def run_hand_in(args) -> int:
+    lesson = build.find_lessons(REPO, [args.lesson])[0]
+    folder = grading.hand_in(REPO, lesson, args.student, args.notebook)
+    print(f"{args.notebook} -> {folder.relative_to(REPO)}/ (now `nbgrader autograde {lesson}`)")
+    return 0
+
+
+def run_mine(args) -> int:
+    notebooks = ([grading.learner_notebook(workspace.default_notebook(name)) for name in args.lessons]
+                 or workspace.workspace_notebooks())
+    if not notebooks:
+        print(f"no lesson notebook in {workspace.WORK_DIR}/: `zero-lab start <lesson>` makes one", file=sys.stderr)
+        return 1
+    for notebook in notebooks:
+        written = build.export_mine(notebook, args.to)
+        if not written:
+            print(f"{notebook} has no `#| export` cells", file=sys.stderr)
+        for path in written:
+            unfinished = "  (still raises NotImplementedError somewhere)" if "NotImplementedError" in path.read_text() else ""
+            print(f"wrote {path}{unfinished}")
+    print(f"Use them with ZERO_LAB_IMPL=mine ZERO_LAB_MINE_DIR={args.to} set before Python (or Jupyter) starts.")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    main_parser = argparse.ArgumentParser(prog="zero-lab", description=__doc__)
+    commands = main_parser.add_subparsers(dest="command", required=True)
+
+    build_parser = commands.add_parser(
+        "build", help="generate zero_lab/<module>.py and course/ from solutions/",
+        description="Export `#| export` cells to zero_lab/, write nbgrader metadata into the "
+                    "solution notebooks and generate the learner edition in course/.")
+    build_parser.add_argument("--check", action="store_true",
+                              help="change nothing; fail if any generated file is out of date or "
+                                   "course/ leaks solutions, or a committed notebook has outputs")
+    build_parser.add_argument("lessons", nargs="*", metavar="LESSON",
+                              help="lessons to build, e.g. 00_collectives (default: all in solutions/)")
+    build_parser.set_defaults(run=run_build)
+
+    start_parser = commands.add_parser(
+        "start", help="copy a lesson into your workspace work/<lesson>/ (never overwrites your copy)",
+        description="Copy course/<lesson>/ to the git-ignored work/<lesson>/ once; print the notebook "
+                    "to open. An existing copy is left as it is; a newer release is announced.")
+    start_parser.add_argument("lesson", help="e.g. 00_collectives or 00")
+    start_parser.add_argument("--fresh", action="store_true",
+                              help="start over: move your copy to work/<lesson>.backup-<time>/ first")
+    start_parser.add_argument("--side-by-side", action="store_true",
+                              help="put a newer release next to your notebook, in work/<lesson>/release-<time>/")
+    start_parser.set_defaults(run=run_start)
+
+    grade_parser = commands.add_parser(
+        "grade", help="score a notebook with the lesson's visible and hidden tests",
+        description="Autograde a notebook with nbgrader in a temporary course; print the points "
+                    "per test and why points were lost.")
+    grade_parser.add_argument("lesson", help="a lesson (00_collectives or 00: your copy in work/), "
+                                             "a lesson folder or a notebook")
+    grade_parser.set_defaults(run=run_grade)
+
+    mine_parser = commands.add_parser(
+        "mine", help="export your notebooks' modules so later lessons can use your code",
+        description="Write the `#| export` cells of your notebooks (default: all in work/) to a "
+                    "folder. ZERO_LAB_IMPL=mine does this by itself for work/; use this to export "
+                    "elsewhere.")
+    mine_parser.add_argument("lessons", nargs="*", metavar="LESSON",
+                             help="lessons (your copies in work/), folders or notebooks (default: all in work/)")
+    mine_parser.add_argument("--to", type=Path, default=mine_dir(), metavar="DIR",
+                             help="destination folder (default: $ZERO_LAB_MINE_DIR or <repo>/mine)")
+    mine_parser.set_defaults(run=run_mine)
+
+    hand_in_parser = commands.add_parser(
+        "hand-in", help="instructor: place a student's notebook in submitted/ (instead of nbgrader collect)",
+        description="Copy a notebook to submitted/<student>/<lesson>/ with the files nbgrader's "
+                    "collect would leave there, ready for `nbgrader autograde <lesson>`.")
+    hand_in_parser.add_argument("lesson", help="e.g. 00_collectives")
+    hand_in_parser.add_argument("student", help="the student's id")
+    hand_in_parser.add_argument("notebook", type=Path, help="the student's notebook")
+    hand_in_parser.set_defaults(run=run_hand_in)
+    return main_parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (build.BuildError, grading.GradingError, workspace.WorkspaceError) as error:
+        print(f"zero-lab {args.command}: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""What `nbgrader autograde` gives learner code: it runs with the grader's rights, so grading
+confines what it can. nbgrader_config.py calls `confine` in an autograde run (the README's
+`nbgrader autograde` and `zero-lab grade` alike):
+
+- HOME and TMPDIR point into a scratch folder inside the course (nothing written outside it),
+  removed when nbgrader exits; the kernel starts in the notebook's own folder (nbgrader's
+  default);
+- on Linux nbgrader becomes a child subreaper: a process learner code started, even in a new
+  session (`setsid`), is re-parented to it when its parent dies, and is killed when nbgrader
+  exits;
+- the kernels get grading_kernel.py as an IPython startup file (progress, kernel death).
+
+It is no security boundary: a notebook can still read and write what the grader can.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+
+SCRATCH_PREFIX = ".autograde-scratch-"
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def confine(course_root: str | Path) -> None:
+    if os.environ.get("ZERO_LAB_CONFINED"):
+        return
+    scratch = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=course_root))
+    home, tmp = scratch / "home", scratch / "tmp"
+    startup = home / ".ipython" / "profile_default" / "startup"
+    startup.mkdir(parents=True)
+    tmp.mkdir()
+    shutil.copy(Path(__file__).with_name("grading_kernel.py"), startup / "00-zero-lab-grading.py")
+    os.environ.update(HOME=str(home), TMPDIR=str(tmp), IPYTHONDIR=str(home / ".ipython"), ZERO_LAB_CONFINED="1")
+    if hasattr(os, "sched_getaffinity"):  # Linux
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    atexit.register(clean_up, scratch)
+
+
+def children() -> list[int]:
+    me, found = os.getpid(), []
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            stat = entry.read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == me:
+            found.append(int(entry.parent.name))
+    return found
+
+
+def kill_descendants() -> None:
+    """Kill and reap every child; their children are re-parented to us, so repeat."""
+    for _ in range(100):
+        pids = children() if Path("/proc/self").exists() else []
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+
+
+def clean_up(scratch: Path) -> None:
+    kill_descendants()
+    shutil.rmtree(scratch, ignore_errors=True)
