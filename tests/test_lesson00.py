@@ -14,10 +14,12 @@ import torch.distributed as dist
 import zero_lab
 from zero_lab.collectives import (
     chunk_bounds,
+    fit_alpha_beta,
     ring_all_gather,
     ring_all_reduce,
     ring_exchange,
     ring_reduce_scatter,
+    ring_time,
 )
 
 TIMEOUT = 30
@@ -231,3 +233,17 @@ def test_ring_all_reduce_sends_2_n_minus_1_over_n_m(world_size, numel, dtype):
         expected = 0 if world_size == 1 else (2 * numel - chunks[rank] - chunks[(rank + 1) % world_size]) * size
         assert total == expected
         assert calls == 2 * (world_size - 1)
+
+
+# ---------------------------------------------------------------------------- alpha-beta model
+
+def test_ring_time_has_2_n_minus_1_latencies_and_sends_2_n_minus_1_over_n_m():
+    assert ring_time(1e6, 1, 1e-4, 1e9) == 0
+    assert ring_time(3e6, 3, 1e-4, 2e9) == pytest.approx(4 * 1e-4 + 4 / 3 * 3e6 / 2e9)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 8])
+def test_fit_alpha_beta_recovers_the_model(world_size):
+    sizes = [1e3, 1e5, 1e6, 4e6]
+    alpha, beta = fit_alpha_beta(sizes, [ring_time(m, world_size, 2e-5, 5e8) for m in sizes], world_size)
+    assert alpha == pytest.approx(2e-5) and beta == pytest.approx(5e8)

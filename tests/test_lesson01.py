@@ -82,3 +82,10 @@ def test_deepspeed_convention():
     assert memory.deepspeed_zero2_bytes(psi, gpus, cpu_offload=True) == 2 * psi
     assert memory.deepspeed_zero3_bytes(psi, 10**8, gpus) == 4 * 10**8 + 18 * psi // gpus
     assert memory.deepspeed_gb(2**30) == 1.0
+
+
+def test_max_trainable_params_is_exact_where_floats_round_down():
+    # 32e9 / (4 + 12/22) is exactly 7.04e9; with the bytes per parameter as a float
+    # (4.545454545454546, rounded up in the last bit) the quotient is 7039999999.999999.
+    assert 32e9 / float(memory.total_bytes_per_device(1, 22, 1)) < 7_040_000_000
+    assert memory.max_trainable_params(32e9, 22, 1) == 7_040_000_000

@@ -22,6 +22,7 @@ from zero_lab.ddp import (BucketedDDP, MasterWeightOptimizer, all_reduce_gradien
 from zero_lab.memory import model_states_per_device
 from zero_lab.memory_ledger import model_state_bytes
 from zero_lab.models import GPT, MLP, GPTConfig
+from zero_lab.pictures import draw_who_holds_what, held_elements
 
 STEPS = 3
 LR = 1e-3
@@ -246,3 +247,72 @@ def test_mixed_precision_is_2_2_12_bytes_and_half_the_traffic():
         # The bf16 run follows the fp32 one up to rounding: far closer than the distance travelled.
         bf16_trained = torch.cat([p.float().flatten() for p in params])
         assert (bf16_trained - fp32_trained).norm() < 0.2 * fp32_update.norm()
+
+
+class OutOfOrder(nn.Module):
+    """Registered second layer first: backward completes the buckets out of bucket order."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.second, self.first = nn.Linear(7, 3), nn.Linear(5, 7)
+
+    def forward(self, x):
+        return self.second(torch.relu(self.first(x)))
+
+
+def launches_and_waits(kind, bucket_size_bytes):
+    # The order of events in the second backward: "ready" (a gradient is final), "launch" (an
+    # async all-reduce starts, with its bytes) and "wait" (someone waits for it).
+    model = OutOfOrder(dist.get_rank()) if kind == "out_of_order" else make_model("mlp", dist.get_rank())
+    events = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: events.append(("ready", None)))
+    ddp_model = BucketedDDP(model, bucket_size_bytes)
+    real_all_reduce = dist.all_reduce
+
+    class Logged:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            events.append(("wait", None))
+            return self.work.wait()
+
+    def all_reduce(tensor, *args, async_op=False, **kwargs):
+        if async_op:
+            events.append(("launch", tensor.numel()))
+            return Logged(real_all_reduce(tensor, *args, async_op=True, **kwargs))
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = all_reduce
+    try:
+        for _ in range(2):
+            events.clear()
+            ddp_model(torch.randn(8, model.first.in_features if kind == "out_of_order" else 16)).square().mean().backward()
+    finally:
+        dist.all_reduce = real_all_reduce
+    return events, [sum(p.numel() for p in bucket.params) for bucket in ddp_model.buckets]
+
+
+@pytest.mark.parametrize("kind, bucket_size_bytes", [("mlp", 1024), ("out_of_order", 1)])
+def test_buckets_launch_in_order_during_backward_and_wait_at_its_end(kind, bucket_size_bytes):
+    for events, buckets in zero_lab.launch(launches_and_waits, 2, kind, bucket_size_bytes, timeout=30):
+        kinds = [k for k, _ in events]
+        last_ready = len(kinds) - 1 - kinds[::-1].index("ready")
+        assert [n for k, n in events if k == "launch"] == buckets, "launched once each, in bucket order"
+        assert kinds.count("wait") == len(buckets) and kinds.index("wait") > last_ready, "no wait inside backward"
+        if kind == "mlp":
+            assert kinds.index("launch") < last_ready, "a bucket is launched while backward still computes"
+
+
+def test_who_holds_what_counts_live_tensors():
+    model = MLP([4, 6, 2]).to(torch.bfloat16)
+    optimizer = MasterWeightOptimizer(model.parameters(), torch.optim.AdamW)
+    model(torch.randn(3, 4, dtype=torch.bfloat16)).float().sum().backward()
+    optimizer.step()
+    psi = model.num_params()
+    assert held_elements(model, optimizer) == dict.fromkeys(("params", "grads", "master", "m", "v"), psi)
+    half = {"params": psi, "grads": psi // 2, "master": psi // 2, "m": psi // 2, "v": 0}
+    ax = draw_who_holds_what([held_elements(model, optimizer), half], full=dict.fromkeys(half, psi))
+    assert [t.get_text() for t in ax.texts][:5] == ["all"] * 5 and [t.get_text() for t in ax.texts][5:] == ["all", "1/2", "1/2", "1/2", "—"]

@@ -80,3 +80,21 @@ def ring_all_reduce(tensor: torch.Tensor, average: bool = False) -> torch.Tensor
     if average:
         mine /= dist.get_world_size()
     return ring_all_gather(tensor)
+
+
+def ring_time(nbytes: float, world_size: int, alpha: float, beta: float) -> float:
+    """α–β model of ring_all_reduce: 2(N-1) messages of nbytes/N bytes each (seconds)."""
+    steps = 2 * (world_size - 1)
+    return steps * alpha + steps * nbytes / world_size / beta
+
+
+def fit_alpha_beta(nbytes: list[float], seconds: list[float], world_size: int) -> tuple[float, float]:
+    """Least-squares (alpha, beta) of ring_time from all-reduces of several sizes on world_size ranks."""
+    steps = 2 * (world_size - 1)
+    sent = [steps * n / world_size for n in nbytes]        # bytes one rank sends
+    mean_x, mean_t = sum(sent) / len(sent), sum(seconds) / len(seconds)
+    covariance = sum((x - mean_x) * (t - mean_t) for x, t in zip(sent, seconds))
+    variance = sum((x - mean_x) ** 2 for x in sent)
+    slope = covariance / variance                           # seconds per byte = 1 / beta
+    intercept = mean_t - slope * mean_x                     # the 2(N-1) latencies
+    return intercept / steps, 1 / slope

@@ -136,6 +136,8 @@ class BucketedDDP(nn.Module):
             self.require_gradient_sync = True
 
     def _on_gradient_ready(self, param: nn.Parameter) -> None:
+        """The hook: `param.grad` is final for this backward pass. Launch, in bucket order,
+        every bucket that is now complete; make sure the end-of-backward callback is queued."""
         if not self.require_gradient_sync:
             return
         if not self.final_callback_queued:
@@ -152,6 +154,18 @@ class BucketedDDP(nn.Module):
         bucket.buffer = torch.cat([grad.reshape(-1) for grad in grads]).div_(dist.get_world_size())
         bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
 
+    def _finish_gradient_sync(self) -> None:
+        """Runs when backward ends: launch what is left, wait for every bucket, reset for the next backward."""
+        self._refuse_missing_gradients()
+        for bucket in self.buckets[self.next_bucket:]:
+            self._launch(bucket)
+        unused_everywhere = self._unused_on_every_rank() if self.find_unused_parameters else set()
+        for bucket in self.buckets:
+            self._wait_and_copy_back(bucket, unused_everywhere)
+            bucket.ready.clear()
+            bucket.buffer = bucket.work = None  # free the flat copy until the next backward
+        self.next_bucket, self.final_callback_queued = 0, False
+
     def _wait_and_copy_back(self, bucket: Bucket, unused_everywhere: set) -> None:
         """Wait for the bucket's all-reduce; give each parameter its averaged gradient."""
         bucket.work.wait()
@@ -163,27 +177,18 @@ class BucketedDDP(nn.Module):
             else:
                 param.grad.copy_(averaged.view_as(param))
 
-    def _finish_gradient_sync(self) -> None:
-        """Runs when backward ends: launch what is left, wait for every bucket, reset."""
-        unlaunched = self.buckets[self.next_bucket:]
-        if unlaunched and not self.find_unused_parameters:
-            missing = [self.param_names[p] for bucket in unlaunched for p in bucket.params if p not in bucket.ready]
+    def _refuse_missing_gradients(self) -> None:
+        """Without find_unused_parameters, a parameter without gradient is an error naming the fix."""
+        missing = [self.param_names[p] for bucket in self.buckets for p in bucket.params if p not in bucket.ready]
+        if missing and not self.find_unused_parameters:
             raise RuntimeError(
                 f"parameters {missing} got no gradient in this backward pass, so their buckets "
                 "cannot be all-reduced. If the model skips some parameters in some steps, use "
                 "BucketedDDP(module, find_unused_parameters=True)."
             )
-        for bucket in unlaunched:
-            self._launch(bucket)
-        unused_everywhere = self._unused_on_every_rank() if self.find_unused_parameters else set()
-        for bucket in self.buckets:
-            self._wait_and_copy_back(bucket, unused_everywhere)
-            bucket.ready.clear()
-            bucket.buffer = bucket.work = None  # free the flat copy until the next backward
-        self.next_bucket = 0
-        self.final_callback_queued = False
 
     def _unused_on_every_rank(self) -> set:
+        """Parameters no rank computed a gradient for (one small all-reduce of flags)."""
         params = [p for bucket in self.buckets for p in bucket.params]
         ranks_with_gradient = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
         dist.all_reduce(ranks_with_gradient)
