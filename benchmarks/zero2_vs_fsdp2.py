@@ -13,18 +13,16 @@ rank sends per step (comm ledger, ring convention), the median step time (forwar
 
 from __future__ import annotations
 
-import statistics
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-import zero_lab
 from zero_lab.data import token_batches
 from zero_lab.models import GPT, GPTConfig
 from zero_lab.prepare import prepare
-from zero_lab.side_by_side import (benchmark_parser, interleaved_steps, ledger_figures, optimizer_step,
+from zero_lab.side_by_side import (benchmark_parser, median_over_launches, interleaved_steps, ledger_figures, optimizer_step,
                                    timing_note)
 
 CONFIG = GPTConfig(vocab_size=256, n_layer=4, n_head=4, n_embd=128, block_size=64)
@@ -73,14 +71,7 @@ def train_side_by_side(steps: int, warmup: int, batch_size: int, config: GPTConf
 def compare(ranks: int = 2, steps: int = 12, warmup: int = 3, repeats: int = 3, batch_size: int = 16,
             config: GPTConfig = CONFIG, bucket_numel: int = BUCKET_NUMEL, progress=lambda iterable: iterable) -> dict:
     """Rank 0's figures of the first launch, with step_ms the median over `repeats` launches."""
-    runs = [zero_lab.launch(train_side_by_side, ranks, steps, warmup, batch_size, config, bucket_numel, timeout=600)[0]
-            for _ in progress(range(repeats))]
-    result = dict(runs[0])
-    for name in VERSIONS:
-        times = [run[name]["step_ms"] for run in runs]
-        result[name] = {**runs[0][name], "step_ms": statistics.median(times), "step_ms_all": times}
-    result["max_loss_diff"] = max(abs(a - b) for a, b in zip(*(result[name]["losses"] for name in VERSIONS)))
-    return result
+    return median_over_launches(train_side_by_side, VERSIONS, ranks, repeats, steps, warmup, batch_size, config, bucket_numel, progress=progress)
 
 
 def table(result: dict, psi: int, ranks: int) -> str:

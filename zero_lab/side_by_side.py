@@ -187,6 +187,18 @@ def ledger_figures(summary: dict) -> dict:
                 sent_bytes=sum(t["sent_bytes"] for t in summary.values()))
 
 
+def median_over_launches(train_fn, versions, ranks: int, repeats: int, *args, progress=lambda iterable: iterable) -> dict:
+    """Rank 0's figures of the first of `repeats` launches of `train_fn(*args)` on `ranks` ranks, with each
+    version's step_ms the median over the launches and max_loss_diff between the first two versions."""
+    runs = [zero_lab.launch(train_fn, ranks, *args, timeout=600)[0] for _ in progress(range(repeats))]
+    result = dict(runs[0])
+    for name in versions:
+        times = [run[name]["step_ms"] for run in runs]
+        result[name] = {**runs[0][name], "step_ms": statistics.median(times), "step_ms_all": times}
+    result["max_loss_diff"] = max(abs(a - b) for a, b in zip(*(result[name]["losses"] for name in versions[:2])))
+    return result
+
+
 def benchmark_parser(description: str, warmup: int = 3, repeats: int = 3) -> argparse.ArgumentParser:
     """The options every side-by-side benchmark script takes; add the script's own to it."""
     parser = argparse.ArgumentParser(description=description)
