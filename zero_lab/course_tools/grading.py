@@ -97,7 +97,8 @@ def reason(error: dict | None, earned: float, possible: float) -> str:
         named = re.findall(r"(\w+)\(\) is not written yet", traceback) or re.findall(r", in (\w+)", traceback)
         return f"not attempted: {named[-1]}() raises NotImplementedError" if named else "not attempted (NotImplementedError)"
     if name == "RankFailed":
-        rank_error = value.strip().splitlines()
+        # The first failed rank's traceback; RankFailed appends "then rank R failed: ..." for the others.
+        rank_error = [line for line in value.strip().splitlines() if not line.startswith("then rank ")]
         header, last = rank_error[0].rstrip(":"), rank_error[-1] if len(rank_error) > 1 else ""
         if last.startswith("NotImplementedError"):
             function = (FRAME.findall(value) or [""])[-1]
