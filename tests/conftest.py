@@ -88,3 +88,19 @@ def repo_copy(tmp_path):
     shutil.copytree(REPO, copy, ignore=COPY_IGNORE)
     env = dict(os.environ, ZERO_LAB_VENV=sys.prefix, PYTHONPATH=str(copy), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"))
     return copy, env
+
+
+@pytest.fixture(scope="module")
+def built_repo(tmp_path_factory):
+    """A repository holding only the fixture lesson (tests/fixtures/99_fixture), built."""
+    repo = tmp_path_factory.mktemp("repo")
+    shutil.copytree(Path(__file__).parent / "fixtures" / "99_fixture", repo / "solutions" / "99_fixture")
+    build.build(repo)
+    return repo
+
+
+@pytest.fixture
+def repo(built_repo, tmp_path):
+    """A copy of the built fixture repository that a test may change."""
+    shutil.copytree(built_repo, tmp_path / "repo")
+    return tmp_path / "repo"

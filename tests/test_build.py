@@ -4,33 +4,17 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import nbformat
 import pytest
 
 from zero_lab.course_tools import build
 
-FIXTURE = Path(__file__).parent / "fixtures" / "99_fixture"
 LESSON = "99_fixture"
 SOURCE = f"solutions/{LESSON}/{LESSON}.ipynb"
 COURSE = f"course/{LESSON}/{LESSON}.ipynb"
 MODULE = "zero_lab/fixture_ops.py"
 
-
-@pytest.fixture(scope="module")
-def built_repo(tmp_path_factory):
-    repo = tmp_path_factory.mktemp("repo")
-    shutil.copytree(FIXTURE, repo / "solutions" / LESSON)
-    build.build(repo)
-    return repo
-
-
-@pytest.fixture
-def repo(built_repo, tmp_path):
-    """A copy of the built repo that a test may change."""
-    shutil.copytree(built_repo, tmp_path / "repo")
-    return tmp_path / "repo"
 
 
 def cell_by_id(nb, grade_id):

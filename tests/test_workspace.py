@@ -3,7 +3,6 @@ backup, a new release comes side by side; `zero-lab build` refuses to overwrite 
 learner edition runs to the end with one line per unfinished exercise."""
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -14,23 +13,9 @@ from nbclient import NotebookClient
 from zero_lab.course_tools import build, implementation, notebook, workspace
 from zero_lab.launcher import RankFailed
 
-FIXTURE = Path(__file__).parent / "fixtures" / "99_fixture"
 LESSON = "99_fixture"
 COURSE = f"course/{LESSON}/{LESSON}.ipynb"
 
-
-@pytest.fixture(scope="module")
-def built_repo(tmp_path_factory):
-    repo = tmp_path_factory.mktemp("repo")
-    shutil.copytree(FIXTURE, repo / "solutions" / LESSON)
-    build.build(repo)
-    return repo
-
-
-@pytest.fixture
-def repo(built_repo, tmp_path):
-    shutil.copytree(built_repo, tmp_path / "repo")
-    return tmp_path / "repo"
 
 
 def git(repo, *args):
