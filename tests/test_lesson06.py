@@ -13,7 +13,7 @@ from zero_lab import CommLedger, launch
 from zero_lab.data import shard_batch
 from zero_lab.memory_ledger import TransferLedger, model_state_bytes
 from zero_lab.models import GPT, MLP
-from zero_lab.offload import cpu_adam_
+from zero_lab.offload import compiled_adam_, compiled_adamw_step, cpu_adam_
 from zero_lab.prepare import prepare
 from zero_lab.zero1 import ShardLayout
 
@@ -26,8 +26,9 @@ def _train_mlp(stage, micro_steps=1, **options):
     return weights(model), [g.master.clone() for g in optimizer.groups], type(optimizer).__name__
 
 
-def _with_and_without_offload(stage, micro_steps, options):
-    return _train_mlp(stage, micro_steps, **options), _train_mlp(stage, micro_steps, offload="cpu", **options)
+def _with_and_without_offload(stage, micro_steps, options, cpu_adam="torch"):
+    return (_train_mlp(stage, micro_steps, **options),
+            _train_mlp(stage, micro_steps, offload="cpu", cpu_adam=cpu_adam, **options))
 
 
 @pytest.mark.parametrize("world_size, stage, micro_steps, options", [
@@ -44,6 +45,15 @@ def test_without_dpu_it_is_stage_1_or_2_bit_for_bit(world_size, stage, micro_ste
         for name in plain:
             assert torch.equal(plain[name], offloaded[name]), name
         assert all(torch.equal(a, b) for a, b in zip(plain_masters, masters)), "fp32 masters differ"
+
+
+def test_the_compiled_cpu_adam_is_the_default_and_within_fp32_rounding_of_stage_2():
+    # Its sqrt is exactly rounded; torch's for-loop AdamW (stage 2's) takes MKL's, sometimes 1 ulp off.
+    assert compiled_adamw_step() is not None, "this test needs a C compiler (cc)"
+    for (plain, plain_masters, _), (offloaded, masters, _) in launch(
+            _with_and_without_offload, 3, 2, 1, dict(bucket_numel=9, max_grad_norm=0.5), "compiled", timeout=60):
+        assert_close([offloaded], plain, atol=1e-6, rtol=1e-5)
+        assert_close([dict(enumerate(masters))], dict(enumerate(plain_masters)), atol=1e-6, rtol=1e-5)
 
 
 def test_bf16_accumulation_on_the_host_is_within_rounding_of_stage_2():
@@ -166,6 +176,12 @@ def _prepare_errors():
         prepare(MLP(SIZES), torch.optim.AdamW, stage=0, offload="cpu", lr=1e-3)
     with pytest.raises(ValueError, match="dpu_warmup_steps"):
         prepare(MLP(SIZES), torch.optim.AdamW, stage=2, offload="cpu", dpu_warmup_steps=-1, lr=1e-3)
+    with pytest.raises(TypeError, match="offload works with stages 1 and 2 in this course .*lesson 06"):
+        prepare(MLP(SIZES), torch.optim.AdamW, stage=3, offload="cpu", lr=1e-3)
+    with pytest.raises(ValueError, match='cpu_adam must be "compiled"'):
+        prepare(MLP(SIZES), torch.optim.AdamW, stage=2, offload="cpu", cpu_adam="fast", lr=1e-3)
+    assert prepare(MLP(SIZES), torch.optim.AdamW, stage=1, offload="cpu", lr=1e-3)[1].adam is compiled_adam_
+    assert prepare(MLP(SIZES), torch.optim.AdamW, stage=2, offload="cpu", cpu_adam="torch", lr=1e-3)[1].adam is cpu_adam_
     model, optimizer = prepare(MLP(SIZES), torch.optim.AdamW, stage=1, lr=1e-3)
     with pytest.raises(ValueError, match="needs an optimizer that offloads"):
         model_state_bytes(model, optimizer, placement="device")
@@ -193,7 +209,7 @@ def test_cpu_adam_is_torch_adamw_bit_for_bit(numel, threads, chunk_numel):
 
 
 def _torch_clip_and_scheduler(stage, offload):
-    options = dict(offload="cpu") if offload else {}
+    options = dict(offload="cpu", cpu_adam="torch") if offload else {}
     model, optimizer = prepare(MLP(SIZES, seed=0), torch.optim.AdamW, stage=stage, **ADAMW, **options)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -228,3 +244,69 @@ def _backward_twice_without_zero_grad():
 
 def test_backward_after_step_without_zero_grad_raises_as_in_stage_2():
     assert launch(_backward_twice_without_zero_grad, 2, timeout=60) == [True, True]
+
+
+@pytest.mark.parametrize("numel, threads, betas", [(5000, 1, (0.9, 0.999)), (3 * 2**18 + 17, 2, (0.3, 0.95))])
+def test_compiled_adam_is_torch_fused_adamw_bit_for_bit(numel, threads, betas):
+    generator = torch.Generator().manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(numel, generator=generator))
+    grads = [torch.randn(numel, generator=generator) * scale for scale in (1.0, 1e-3, 1e3)]
+    ours, m, v = param.detach().clone(), torch.zeros(numel), torch.zeros(numel)
+    optimizer = torch.optim.AdamW([param], fused=True, betas=betas, **ADAMW)
+    pool = ThreadPoolExecutor(threads) if threads > 1 else None
+    for step, grad in enumerate(grads, start=1):
+        param.grad = grad
+        optimizer.step()
+        compiled_adam_(ours, grad, m, v, step, betas=betas, eps=1e-8, pool=pool, **ADAMW)
+    state = optimizer.state[param]
+    assert torch.equal(ours, param.detach()) and torch.equal(m, state["exp_avg"]) and torch.equal(v, state["exp_avg_sq"])
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        compiled_adam_(ours[::2], grad[::2], m[::2], v[::2], 4, betas=betas, eps=1e-8, **ADAMW)
+
+
+def test_without_a_c_compiler_the_host_runs_cpu_adam_with_a_notice(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built there yet
+    compiled_adamw_step.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="no compiled CPU Adam .*cpu_adam_"):
+            assert compiled_adamw_step() is None
+        with pytest.raises(RuntimeError, match="needs a C compiler"):
+            compiled_adam_(*(torch.zeros(4) for _ in range(4)), 1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    finally:
+        compiled_adamw_step.cache_clear()
+
+
+def _all_gathers_while_loading(stage):
+    """Load a checkpoint into a fresh offload optimizer, recording whether each all-gather's input
+    lies in the device's flat parameter buffer (nccl on CUDA takes device tensors only)."""
+    def fresh(seed):
+        options = dict(bucket_numel=20) if stage == 2 else {}
+        return prepare(MLP(SIZES, seed=seed), torch.optim.AdamW, stage=stage, offload="cpu",
+                       param_dtype=torch.bfloat16, **ADAMW, **options)
+
+    model, optimizer = fresh(seed=0)
+    train(model, optimizer, mlp_batches(2), mlp_loss)
+    saved, saved_weights = optimizer.state_dict(), weights(model)
+    model, optimizer = fresh(seed=99)
+    device_buffers = {g.flat_param.untyped_storage().data_ptr() for g in optimizer.groups}
+    inputs_on_device, all_gather_single = [], dist.all_gather_single
+
+    def spy(output, input, *args, **kwargs):
+        inputs_on_device.append(input.untyped_storage().data_ptr() in device_buffers)
+        return all_gather_single(output, input, *args, **kwargs)
+
+    dist.all_gather_single = spy
+    try:
+        optimizer.load_state_dict(saved)
+    finally:
+        dist.all_gather_single = all_gather_single
+    same_masters = all(torch.equal(g.master, m) for g, m in zip(optimizer.groups, saved["masters"]))
+    return inputs_on_device, same_masters, all(torch.equal(saved_weights[n], w) for n, w in weights(model).items())
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_loading_a_checkpoint_all_gathers_on_the_device(stage):
+    for inputs_on_device, same_masters, same_weights in launch(_all_gathers_while_loading, 2, stage, timeout=60):
+        assert inputs_on_device and all(inputs_on_device), "the all-gather's input must be the device's buffer, not a host tensor"
+        assert same_masters and same_weights

@@ -12,15 +12,25 @@ Link               the host-device link: host buffers, copies across it (counted
 Timeline           spans of work per lane (device, host), for the pictures
 offload_bucket     finish a reduced gradient bucket: this rank's piece goes down into the fp32 host shard
 upload_shard       the updated shard goes up in 16 bits and is all-gathered on the device
-cpu_adam_          AdamW on flat fp32 host shards: in place, in cache-sized chunks, optionally on threads
+cpu_adam_          AdamW on flat fp32 host shards with torch's operations: in cache-sized chunks, optionally on threads
+compiled_adam_     the same step as one compiled C loop (one pass over memory), built with this machine's compiler
 host_update        one such step for every param group, with torch.optim.AdamW's state and options
 DelayedUpdate      when the host update runs: at once, or one step delayed (the paper's DPU)
 Zero1Offload, Zero2Offload   the optimizers behind zero_lab.prepare(..., stage=1|2, offload="cpu")
 """
 
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -161,21 +171,119 @@ def cpu_adam_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, ex
 
 @torch.no_grad()
 def host_update(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor], grads: list[torch.Tensor],
-                pool: ThreadPoolExecutor | None = None) -> None:
+                pool: ThreadPoolExecutor | None = None, adam=cpu_adam_) -> None:
     """One AdamW step on the host: masters[i] with gradient grads[i], for every param group i.
 
     optimizer is the torch.optim.AdamW over the masters (one per group): its param_groups give
     lr, betas, eps and weight_decay (an LR scheduler changes them there), and its state holds
     step, exp_avg and exp_avg_sq per master, as torch's own AdamW keeps them, so that
-    checkpoints and consolidation stay those of lesson 03.
+    checkpoints and consolidation stay those of lesson 03. adam is the kernel that updates one
+    flat shard (cpu_adam_, or compiled_adam_ below: the same arguments).
     """
     for master, grad, options in zip(masters, grads, optimizer.param_groups):
         state = optimizer.state[master]
         if not state:  # the first step, as torch's AdamW initialises it
             state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(master), exp_avg_sq=torch.zeros_like(master))
         state["step"] += 1
-        cpu_adam_(master, grad, state["exp_avg"], state["exp_avg_sq"], int(state["step"].item()), lr=options["lr"],
-                  betas=options["betas"], eps=options["eps"], weight_decay=options["weight_decay"], pool=pool)
+        adam(master, grad, state["exp_avg"], state["exp_avg_sq"], int(state["step"].item()), lr=options["lr"],
+             betas=options["betas"], eps=options["eps"], weight_decay=options["weight_decay"], pool=pool)
+
+
+ADAMW_C = r"""
+#include <math.h>
+
+/* One AdamW step over n floats in one pass: each element's parameter, gradient, m and v are loaded
+   once and parameter, m and v stored once (28 bytes). torch.optim.AdamW's arithmetic in its order,
+   fused where torch fuses (lerp, addcmul): the results are those of torch's fused CPU kernel. */
+void adamw_step(float *restrict param, const float *restrict grad, float *restrict exp_avg,
+                float *restrict exp_avg_sq, long n, float decay, float weight1, float beta2,
+                float weight2, float bias_correction2_sqrt, float eps, float neg_step_size) {
+    int small = fabsf(weight1) < 0.5f; /* torch's lerp has two forms, chosen by the weight */
+    float coeff = small ? weight1 : weight1 - 1.0f;
+    for (long i = 0; i < n; i++) {
+        float g = grad[i], m = exp_avg[i];
+        m = fmaf(coeff, g - m, small ? m : g);                  /* m.lerp_(g, 1 - beta1) */
+        float v = fmaf(weight2 * g, g, exp_avg_sq[i] * beta2);  /* v.mul_(beta2).addcmul_(g, g, 1 - beta2) */
+        float denom = sqrtf(v) / bias_correction2_sqrt + eps;
+        param[i] = param[i] * decay + neg_step_size * m / denom; /* p.mul_(1 - lr wd).addcdiv_(m, denom) */
+        exp_avg[i] = m;
+        exp_avg_sq[i] = v;
+    }
+}
+"""
+C_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
+# -ffp-contract=off: no multiply-add fused unless written (fmaf); -fno-math-errno lets sqrtf vectorize.
+
+
+def build_c_library(source: str) -> ctypes.CDLL:
+    """Compile C source into a shared library with this machine's C compiler ($CC, else cc) and load it.
+
+    Built once per source, flags, compiler and machine (-march=native), cached in the user's cache
+    directory; ranks that build at the same time each rename a complete file into place. Raises
+    OSError or subprocess.SubprocessError when there is no compiler or the build fails.
+    """
+    compiler = os.environ.get("CC", "cc")
+    key = hashlib.sha256("\0".join([source, *C_FLAGS, compiler, platform.node()]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "zero-lab"
+    library = cache / f"kernel-{key}.so"
+    if not library.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as build:
+            source_file, built = Path(build) / "kernel.c", Path(build) / "kernel.so"
+            source_file.write_text(source)
+            subprocess.run([compiler, *C_FLAGS, str(source_file), "-o", str(built)], check=True,
+                           capture_output=True, text=True, timeout=120)
+            os.replace(built, library)
+    return ctypes.CDLL(str(library))
+
+
+@functools.cache
+def compiled_adamw_step():
+    """ADAMW_C's adamw_step as a ctypes function, built at first use; None (after a one-line notice) if it cannot be."""
+    try:
+        kernel = build_c_library(ADAMW_C).adamw_step
+    except (OSError, subprocess.SubprocessError) as error:
+        reason = (getattr(error, "stderr", None) or str(error)).strip().splitlines()[0]
+        warnings.warn(f"no compiled CPU Adam ({reason}): the host runs cpu_adam_, torch's operations (slower)")
+        return None
+    kernel.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] + [ctypes.c_float] * 7
+    kernel.restype = None
+    return kernel
+
+
+COMPILED_CHUNK_NUMEL = 2**18  # per call on a pool thread: 7 MB of traffic, far more than a call's overhead
+
+
+@torch.no_grad()
+def compiled_adam_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int,
+                   *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                   pool: ThreadPoolExecutor | None = None, chunk_numel: int = COMPILED_CHUNK_NUMEL) -> None:
+    """cpu_adam_ as one compiled loop (ADAMW_C): the same arguments, one pass over memory.
+
+    Without a pool one call does the whole shard; with one, chunks of chunk_numel elements run on
+    its threads (ctypes releases the GIL). The tensors must be contiguous fp32 CPU tensors of one
+    size: the loop reads their memory directly.
+    """
+    kernel = compiled_adamw_step()
+    if kernel is None:
+        raise RuntimeError("compiled_adam_ needs a C compiler (cc, or $CC): use cpu_adam_")
+    tensors = (param, grad, exp_avg, exp_avg_sq)
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or t.numel() != param.numel()
+           for t in tensors):
+        raise ValueError("compiled_adam_ takes contiguous fp32 CPU tensors of one size (a flat host shard and its states)")
+    beta1, beta2 = betas
+    scalars = (1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, (1 - beta2**step) ** 0.5, eps,
+               -(lr / (1 - beta1**step)))  # as torch.optim.AdamW computes them, in double; the loop takes floats
+    addresses = [t.data_ptr() for t in tensors]
+
+    def update(start: int) -> None:
+        count = min(chunk_numel, param.numel() - start)
+        kernel(*(address + 4 * start for address in addresses), count, *scalars)
+
+    if pool is None:
+        kernel(*addresses, param.numel(), *scalars)
+    else:
+        list(pool.map(update, range(0, param.numel(), chunk_numel)))
 
 
 class DelayedUpdate:
@@ -224,7 +332,7 @@ class DelayedUpdate:
             self.upload()
 
 
-DPU_WARMUP_STEPS = 40  # the paper enables DPU after a warm-up of 40 steps in its experiments
+DPU_WARMUP_STEPS = 40  # this course's example warm-up; the paper: "the first N - 1 steps" without DPU (section 5.2)
 
 
 class _Offload:
@@ -233,28 +341,35 @@ class _Offload:
     Takes their arguments (params, param_dtype, max_grad_norm, bucket_numel for stage 2, the
     optimizer's options), plus
     dpu_warmup_steps  None: no delayed update. K: one-step delayed parameter update (DPU) after
-                      K ordinary steps (the paper uses DPU_WARMUP_STEPS = 40).
-    adam_threads      threads of the host's AdamW (cpu_adam_); 1 runs it in the calling thread.
-    AdamW runs as cpu_adam_; Adam, SGD or AdamW with amsgrad/maximize run as torch's own step on
-    the host shards. The device is the model's: CUDA, or simulated when the model is on the CPU.
+                      K ordinary steps (e.g. DPU_WARMUP_STEPS).
+    cpu_adam          "compiled" (default): AdamW runs as compiled_adam_, one compiled pass, equal
+                      to torch's fused AdamW; cpu_adam_ if there is no C compiler. "torch": as
+                      cpu_adam_, torch's operations, bit for bit torch's default (for-loop) AdamW.
+    adam_threads      threads of the host's AdamW; 1 runs it in the calling thread.
+    Adam, SGD or AdamW with amsgrad/maximize run as torch's own step on the host shards. The
+    device is the model's: CUDA, or simulated when the model is on the CPU.
     """
 
     offloads = True
 
     def __init__(self, model, optimizer_class=torch.optim.AdamW, params=None, *,
-                 dpu_warmup_steps: int | None = None, adam_threads: int = 1, **options):
+                 dpu_warmup_steps: int | None = None, cpu_adam: str = "compiled", adam_threads: int = 1, **options):
         if dpu_warmup_steps is not None and dpu_warmup_steps < 0:
             raise ValueError(f"dpu_warmup_steps must be None (no DPU) or >= 0, got {dpu_warmup_steps}")
         if adam_threads < 1:
             raise ValueError(f"adam_threads must be at least 1, got {adam_threads}")
+        if cpu_adam not in ("compiled", "torch"):
+            raise ValueError(f'cpu_adam must be "compiled" (one compiled pass) or "torch" (cpu_adam_), got {cpu_adam!r}')
         self.link = Link(next(model.parameters()).device)
         self.timeline: Timeline | None = None  # set one to record the spans of work
         super().__init__(model, optimizer_class, params, **options)
         self.host_grads = [self.link.host_zeros(g.master.numel()) for g in self.groups]
         self.spare_grads: list[torch.Tensor] | None = None  # DPU: backward fills these while the host updates
         self.pool = ThreadPoolExecutor(adam_threads, thread_name_prefix="cpu-adam") if adam_threads > 1 else None
-        self.cpu_adam = optimizer_class is torch.optim.AdamW and not any(
+        runs_adamw = optimizer_class is torch.optim.AdamW and not any(
             g.get("amsgrad") or g.get("maximize") for g in self.optimizer.param_groups)
+        compiled = cpu_adam == "compiled" and runs_adamw and compiled_adamw_step() is not None
+        self.adam = (compiled_adam_ if compiled else cpu_adam_) if runs_adamw else None  # None: torch's own step
         self.schedule = DelayedUpdate(self._update, self._upload, dpu_warmup_steps)
         self.gradients_sent = False
 
@@ -304,8 +419,8 @@ class _Offload:
     def _update(self, grads: list[torch.Tensor]) -> None:
         with self._span("host", "update"):
             masters = [g.master for g in self.groups]
-            if self.cpu_adam:
-                host_update(self.optimizer, masters, grads, self.pool)
+            if self.adam is not None:
+                host_update(self.optimizer, masters, grads, self.pool, self.adam)
                 return
             for master, grad in zip(masters, grads):
                 master.grad = grad
@@ -335,9 +450,28 @@ class _Offload:
         self.flush()  # a delayed update belongs to the checkpoint
         return super().state_dict()
 
+    @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
+        """Lesson 03's loading (checks, AdamW's state, the masters), with its all-gather on the device.
+
+        Lesson 03 copies each saved master shard into group.master and all-gathers it into
+        flat_param. Here the masters live on the host, and a collective on CUDA (nccl) takes device
+        tensors only: so while it loads, group.master is this rank's slice of the device's
+        flat_param; the saved shard goes up into it, the all-gather runs on the device, and the host
+        master takes the saved fp32 values.
+        """
         self.flush()
-        super().load_state_dict(state)
+        host_masters = [group.master for group in self.groups]
+        for group, master in zip(self.groups, host_masters):
+            start = group.layout.shard(self.rank)[0]
+            group.master = group.flat_param[start:start + master.numel()]
+        try:
+            super().load_state_dict(state)
+        finally:
+            for group, master in zip(self.groups, host_masters):
+                group.master = master
+        for master, saved in zip(host_masters, state["masters"]):
+            master.copy_(saved)
 
     def consolidated_state_dict(self, dst: int = 0) -> dict | None:
         self.flush()

@@ -23,8 +23,10 @@ Options besides the optimizer's own (lr, betas, weight_decay, ...):
     offload="cpu"   stages 1-2: ZeRO-Offload (lesson 06, zero_lab.offload): fp32 masters, Adam's states,
                     gradient shards and the update on the host; the 16-bit parameters on the device
     dpu_warmup_steps=  with offload: the one-step delayed parameter update after this many ordinary
-                    steps (None, the default: no delay; the paper's choice is 40); call optimizer.flush()
+                    steps (None, the default: no delay; the paper warms up without it); call optimizer.flush()
                     before reading the weights
+    cpu_adam=       with offload: "compiled" (default: one compiled C pass, torch's fused AdamW's
+                    results; torch's operations if no C compiler) or "torch" (bit for bit stage 1-2's AdamW)
     adam_threads=   with offload: threads of the host's AdamW (default 1)
 Defaults keep the model's dtype. Anything else is refused with an error that names the fix.
 Call it on every rank, inside zero_lab.launch or after zero_lab.init_distributed().
@@ -49,7 +51,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 MODULES = {0: "zero_lab.ddp", 1: "zero_lab.zero1", 2: "zero_lab.zero2", 3: "zero_lab.zero3"}
 LESSONS = {0: "02_ddp", 1: "03_zero1", 2: "04_zero2", 3: "05_zero3"}
-OFFLOAD_OPTIONS = {"offload", "dpu_warmup_steps", "adam_threads"}
+OFFLOAD_OPTIONS = {"offload", "dpu_warmup_steps", "cpu_adam", "adam_threads"}
 ZERO_OPTIONS = {0: {"param_dtype"}, 1: {"param_dtype", "max_grad_norm", *OFFLOAD_OPTIONS},
                 2: {"param_dtype", "max_grad_norm", "bucket_numel", *OFFLOAD_OPTIONS},
                 3: {"param_dtype", "max_grad_norm", "units", "prefetch", "max_live_numel", "reshard_last", "init_fn"}}
@@ -140,6 +142,9 @@ def _check_options(optimizer_class, stage, options) -> None:
     unknown = sorted(set(options) - accepted)
     if not unknown:
         return
+    if stage == 3 and set(unknown) & OFFLOAD_OPTIONS:
+        raise TypeError("offload works with stages 1 and 2 in this course (ZeRO-Offload, lesson 06): "
+                        'use stage=2 with offload="cpu", or stage=3 without it')
     elsewhere = {k for s, names in ZERO_OPTIONS.items() if s != stage for k in names}
     hints = [f"{k!r} needs stage {min(s for s, names in ZERO_OPTIONS.items() if k in names)} or higher"
              for k in unknown if k in elsewhere]
