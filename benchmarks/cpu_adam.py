@@ -29,7 +29,8 @@ of what the AdamW-shaped loop moves. Without a C compiler the bound falls back t
 and write per element (counted by a dispatch mode, one step on a small shard; an argument the op
 declares mutable counts as read and written); the C loop's loads and stores are read off its
 source (28). Times are the median of `--repeats` steps after one warm-up step (the bound: the
-best), wall-clock on this machine: noisy when others use it.
+best of at least 10 runs before and 10 after them), wall-clock on this machine: noisy when others
+use it ("x bound" above 1 means the bound's own runs were slowed by other work).
 """
 
 from __future__ import annotations
@@ -193,9 +194,10 @@ def bake_off(sizes=(10**6, 10**7, 10**8), threads=(1, 2), repeats: int = 5, deep
         for numel, count in progress([(n, t) for n in sizes for t in threads]):
             if count not in triad:
                 triad[count] = TRIAD_WRITE_ALLOCATE_BYTES_PER_ELEMENT * triad_numel / triad_seconds(triad_numel, count) / 1e9
-            bound = adamw_traffic_seconds(numel, count, repeats)  # before and after the versions: the better
+            bound_repeats = max(repeats, 10)  # a bound is the best the memory does: many cheap runs, before and after
+            bound = adamw_traffic_seconds(numel, count, bound_repeats)
             seconds = {version: time_step(version, numel, count, repeats, ours) for version in versions}
-            bound = bound and min(bound, adamw_traffic_seconds(numel, count, repeats))
+            bound = bound and min(bound, adamw_traffic_seconds(numel, count, bound_repeats))
             source = "AdamW's traffic, C loop"
             if bound is None:
                 bound, source = ADAM_BYTES_PER_ELEMENT * numel / (triad[count] * 1e9), "triad at 16 bytes/element"
