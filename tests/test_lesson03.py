@@ -1,8 +1,10 @@
 """Lesson 03, ZeRO stage 1: N ranks train exactly like one process, with 1/N of the optimizer states."""
 
+import ast
 import io
 from fractions import Fraction
 
+import nbformat
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,7 +13,9 @@ import torch.nn.functional as F
 from sharded_training import (ADAMW, SIZES, TINY_GPT, assert_close, bytes_per_step, gpt_batches, gpt_groups,
                               gpt_loss, gpt_with_groups, gpt_with_groups_single_process, mlp_batches, mlp_loss,
                               single_process, train, weights)
+import zero_lab
 from zero_lab import launch
+from zero_lab.course_tools.implementation import REPO
 from zero_lab.data import shard_batch
 from zero_lab.memory_ledger import model_state_bytes
 from zero_lab.models import GPT, MLP
@@ -262,3 +266,44 @@ def test_shard_layout(numel, world_size, shard_numel):
     assert layout.shard_numel == shard_numel and layout.padded_numel == world_size * shard_numel
     assert [layout.shard(r) for r in range(world_size)] == [(r * shard_numel, (r + 1) * shard_numel) for r in range(world_size)]
     assert sum(layout.real_numel(r) for r in range(world_size)) == numel
+
+
+# Typical wrong answers to the exercises lose points: the notebook's definitions with one solution
+# replaced, then one graded cell run as nbgrader runs it (grading the whole notebook is test_grading.py's job).
+
+NOTEBOOK = REPO / "solutions" / "03_zero1" / "03_zero1.ipynb"
+
+MUTANTS = {
+    "all-reduce and slice": ("step_collectives",
+                             "    dist.reduce_scatter_single(shard, flat_grad)\n    return shard.div_(world_size)",
+                             "    full = flat_grad.clone()\n    dist.all_reduce(full)\n"
+                             "    return full.chunk(world_size)[dist.get_rank()].div(world_size)"),
+    "all-gather the stale bf16 slice": ("bf16_path", "all_gather_params(group.flat_param, group.master)\n        ### END SOLUTION\n        return",
+                                        "start, stop = group.layout.shard(self.rank)\n            all_gather_params("
+                                        "group.flat_param, group.flat_param[start:stop].clone())\n        ### END SOLUTION\n        return"),
+    "state_dict saves views": ("checkpoint", '"masters": [g.master.detach().clone() for g in self.groups]',
+                               '"masters": [g.master.detach() for g in self.groups]'),
+}
+
+
+def _graded_cell_with(test_id, old, new):
+    """The namespace nbgrader would have (imports, exported cells with one change, test helpers), and the cell."""
+    cells = [c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells if c.cell_type == "code"]
+    assert sum(s.count(old) for s in cells if s.startswith("#| export")) == 1, "the mutant must replace one solution"
+    namespace = {}
+    exec(cells[0], namespace)  # the notebook's imports
+    for source in cells:
+        if source.startswith("#| export"):
+            exec(source.replace(old, new), namespace)
+        elif source.startswith("#| test"):  # helpers other cells share (SIZES, _groups, ...), without running checks
+            tree = ast.parse(source)
+            tree.body = [node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.Assign))]
+            exec(compile(tree, "test helpers", "exec"), namespace)
+    return namespace, next(s for s in cells if s.startswith(f"#| test {test_id} "))
+
+
+@pytest.mark.parametrize("mutant", list(MUTANTS))
+def test_typical_wrong_answers_lose_points(mutant):
+    namespace, cell = _graded_cell_with(*MUTANTS[mutant])
+    with pytest.raises((AssertionError, zero_lab.RankFailed)):
+        exec(cell, namespace)
