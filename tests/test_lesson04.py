@@ -1,6 +1,7 @@
 """Lesson 04, ZeRO stage 2: gradients reduce-scattered during backward, only the shard kept."""
 
 import io
+import time
 from fractions import Fraction
 
 import pytest
@@ -15,6 +16,7 @@ from zero_lab.data import shard_batch
 from zero_lab.memory_ledger import model_state_bytes
 from zero_lab.models import GPT, MLP
 from zero_lab.prepare import prepare
+from zero_lab.timeline import backward_timeline, draw_backward_timeline, record_gradients_ready, recording_collectives
 from zero_lab.zero1 import ShardLayout
 from zero_lab.zero2 import bucket_ranges, rank_slices
 
@@ -213,3 +215,37 @@ def _prepare_errors():
 
 def test_prepare_checks_the_bucket_size():
     assert launch(_prepare_errors, 1, timeout=60) == [True]
+
+
+def _backward_events(stage):
+    model = MLP([16, 32, 32, 32, 4], seed=0)
+    events = []
+    record_gradients_ready(model, events)  # before the optimizer's hooks
+    model, optimizer = prepare(model, torch.optim.AdamW, stage=stage, lr=1e-3, **({"bucket_numel": 600} if stage == 2 else {}))
+    loss = model(shard_batch(torch.randn(8, 16), dist.get_rank(), dist.get_world_size())).pow(2).mean()
+    with recording_collectives(events, "reduce_scatter", "reduce_scatter_single"):
+        start = time.perf_counter()
+        loss.backward()
+        end = time.perf_counter()
+        optimizer.reduce_gradients()  # stage 1 reduce-scatters here
+    return backward_timeline(events, start, end)
+
+
+def test_timeline_stage_2_reduces_during_backward_stage_1_after():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    for stage in (1, 2):
+        for timeline in launch(_backward_events, 2, stage, timeout=60):
+            kinds = [kind for _, kind, _ in timeline["events"]]
+            last_ready = len(kinds) - 1 - kinds[::-1].index("ready")
+            launches = [i for i, kind in enumerate(kinds) if kind == "launch"]
+            assert kinds.count("done") == len(launches), "every collective is marked done"
+            if stage == 1:  # one blocking reduce-scatter, after backward
+                assert len(launches) == 1 and launches[0] > last_ready and "wait" not in kinds
+            else:  # one per bucket (MLP layers of 544, 1056, 1056, 132 elements: 3 buckets), the first during backward
+                assert len(launches) == 3 and launches[0] < last_ready and kinds.count("wait") == 3
+            _, ax = plt.subplots()
+            last_gradient, waited = draw_backward_timeline(ax, 0, timeline, collective="reduce-scatter")
+            assert 0 <= last_gradient <= timeline["backward_ms"] and waited >= 0
+            plt.close("all")
