@@ -16,7 +16,8 @@ from zero_lab.data import shard_batch
 from zero_lab.memory_ledger import model_state_bytes
 from zero_lab.models import GPT, MLP
 from zero_lab.prepare import prepare
-from zero_lab.timeline import backward_timeline, draw_backward_timeline, record_gradients_ready, recording_collectives
+from zero_lab.pictures import draw_comm_timeline
+from zero_lab.timeline import backward_timeline, record_gradients_ready, recording_collectives
 from zero_lab.zero1 import ShardLayout
 from zero_lab.zero2 import bucket_ranges, rank_slices
 
@@ -241,11 +242,11 @@ def test_timeline_stage_2_reduces_during_backward_stage_1_after():
             last_ready = len(kinds) - 1 - kinds[::-1].index("ready")
             launches = [i for i, kind in enumerate(kinds) if kind == "launch"]
             assert kinds.count("done") == len(launches), "every collective is marked done"
-            if stage == 1:  # one blocking reduce-scatter, after backward
-                assert len(launches) == 1 and launches[0] > last_ready and "wait" not in kinds
+            if stage == 1:  # one blocking reduce-scatter, after backward: the rank waits for all of it
+                assert len(launches) == 1 and launches[0] > last_ready and kinds.count("wait") == 1
             else:  # one per bucket (MLP layers of 544, 1056, 1056, 132 elements: 3 buckets), the first during backward
                 assert len(launches) == 3 and launches[0] < last_ready and kinds.count("wait") == 3
             _, ax = plt.subplots()
-            last_gradient, waited = draw_backward_timeline(ax, 0, timeline, collective="reduce-scatter")
+            last_gradient, waited = draw_comm_timeline(ax, 0, timeline, collective="reduce-scatter")
             assert 0 <= last_gradient <= timeline["backward_ms"] and waited >= 0
             plt.close("all")

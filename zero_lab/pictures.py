@@ -11,7 +11,13 @@ A cell is coloured "all" when the rank holds the whole row, "shard" when it hold
 (the cell says which fraction), "nothing" when it holds none. `held_elements` fills the dict
 for a model and any optimizer that exposes torch's `param_groups` and `state` (Adam's
 `exp_avg` is m, `exp_avg_sq` is v); an optimizer that keeps its tensors elsewhere can build
-the dict itself. Hand-written, not exported from a lesson.
+the dict itself.
+
+    draw_comm_timeline(ax, rank, timeline)  # one rank's backward and its collectives, lessons 02-04
+
+draws what a rank recorded around one backward pass: when each gradient became final, each
+collective from launch to completion, and the time the rank spent waiting for communication.
+Hand-written, not exported from a lesson.
 """
 
 from __future__ import annotations
@@ -82,3 +88,36 @@ def draw_who_holds_what(held: list[dict[str, int]], full: dict[str, int] | None 
     ax.legend(handles, ["all of it", "a shard (fraction)", "nothing"], loc="upper left",
               bbox_to_anchor=(1.01, 1), fontsize=7)
     return ax
+
+
+def draw_comm_timeline(ax, rank: int, timeline: dict, collective: str = "all-reduce", message: str = "bucket"):
+    """One rank's backward pass and its collectives, on the rank's own clock (ms since backward()).
+
+    timeline = {"backward_ms": when backward() returned, "events": [(ms, kind, bytes), ...]} with
+    kinds "ready" (a gradient is final), "launch" and "done" (a collective started, completed),
+    "wait" and "waited" (the rank started and stopped waiting for it); a collective's later
+    events are matched to it by its bytes (zero_lab.timeline records them). Each wait is a red
+    bar. Returns (when the last gradient was final, ms spent waiting, summed over the waits).
+    """
+    events, launched = timeline["events"], []
+    for t, kind, nbytes in events:
+        if kind == "launch":
+            launched.append({"launch": t, "bytes": nbytes})
+        elif kind in ("done", "wait", "waited"):  # completions and waits come in launch order
+            next(c for c in launched if c["bytes"] == nbytes and kind not in c)[kind] = t
+    ready = [t for t, kind, _ in events if kind == "ready"]
+    ax.axvspan(0, timeline["backward_ms"], color="0.93", label="inside loss.backward()")
+    ax.plot(ready, [-1] * len(ready), "|", color="k", markersize=12, label="a gradient is final (compute)")
+    for i, c in enumerate(launched):
+        ax.barh(i, c["done"] - c["launch"], left=c["launch"], height=0.6, color="tab:blue",
+                label=f"{collective} in flight: launch to completion" if i == 0 else None)
+        ax.text(c["done"], i, f" {c['bytes'] / 1024:.0f} KiB", va="center", fontsize=7)
+    waits = [(c["wait"], c["waited"]) for c in launched if "wait" in c]
+    for i, (begin, end) in enumerate(waits):
+        ax.barh(len(launched), end - begin, left=begin, height=0.6, color="tab:red",
+                label="waiting for communication (not hidden)" if i == 0 else None)
+    ax.set_yticks([-1, *range(len(launched)), len(launched)],
+                  ["gradients", *[f"{message} {i}" for i in range(len(launched))], "wait"])
+    ax.invert_yaxis()
+    ax.set_title(f"rank {rank}", fontsize=9, loc="left")
+    return max(ready, default=0.0), sum(end - begin for begin, end in waits)

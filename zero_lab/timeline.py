@@ -1,4 +1,4 @@
-"""Timelines of computation and communication during backward, recorded on every rank.
+"""Recording what a rank computes and communicates during backward, for the timelines.
 
     events = []
     record_gradients_ready(model, events)        # before the optimizer's (or DDP's) own hooks
@@ -8,14 +8,15 @@
         loss.backward()
         end = time.perf_counter()
     timeline = backward_timeline(events, start, end)   # plain data: return it from the rank
-    draw_backward_timeline(ax, rank, timeline)           # in the notebook, one axis per rank
+    zero_lab.pictures.draw_comm_timeline(ax, rank, timeline)   # in the notebook, one axis per rank
 
 An event is (seconds, kind, bytes): "ready" when a parameter's gradient is final (the compute
 side), "launch" when a collective is issued, "done" when the transport has completed it (a
 callback on its future, on gloo's thread; a blocking collective is done when it returns; gloo's
 reduce-scatter of unequal pieces has no future, and is marked done when its wait() returns, an
-upper bound), "wait" and "waited" around the wait() of an asynchronous one. Hand-written, not exported from
-a lesson: lessons 02 (DDP) and 04 (ZeRO-2) draw their buckets with it.
+upper bound), "wait" and "waited" around the wait() of an asynchronous one, or around the whole
+call of a blocking one (the rank waits for all of it). Hand-written, not exported from a lesson:
+lessons 02 (DDP) and 04 (ZeRO-2) record their buckets with it.
 """
 
 from __future__ import annotations
@@ -66,11 +67,12 @@ def recording_collectives(events: list, *kinds: str):
 
     def recorded(kind):
         def collective(*args, async_op=False, **kwargs):
-            nbytes = MESSAGE_BYTES[kind](*args)
-            events.append((time.perf_counter(), "launch", nbytes))
+            nbytes, start = MESSAGE_BYTES[kind](*args), time.perf_counter()
+            events.append((start, "launch", nbytes))
             work = real[kind](*args, async_op=async_op, **kwargs)
-            if not async_op:
-                events.append((time.perf_counter(), "done", nbytes))
+            if not async_op:  # blocking: the rank waited for all of it
+                end = time.perf_counter()
+                events.extend([(start, "wait", nbytes), (end, "done", nbytes), (end, "waited", nbytes)])
                 return work
             try:
                 work.get_future().then(lambda _: events.append((time.perf_counter(), "done", nbytes)))
@@ -91,30 +93,3 @@ def recording_collectives(events: list, *kinds: str):
 def backward_timeline(events: list, start: float, end: float) -> dict:
     """The events in ms since `start` (when backward was called), and how long backward took."""
     return {"backward_ms": 1e3 * (end - start), "events": [(1e3 * (t - start), kind, nbytes) for t, kind, nbytes in events]}
-
-
-def draw_backward_timeline(ax, rank: int, timeline: dict, collective: str = "all-reduce") -> tuple[float, float]:
-    """One rank's timeline: a tick per gradient made final, a bar per collective from its launch
-    to its completion, and red bars where the rank sat in wait(). Returns (ms when the last
-    gradient was final, ms spent in wait())."""
-    events, calls = timeline["events"], []
-    for t, kind, nbytes in events:
-        if kind == "launch":
-            calls.append({"launch": t, "bytes": nbytes})
-        elif kind in ("done", "wait", "waited"):  # completions and waits come in launch order
-            next(c for c in calls if c["bytes"] == nbytes and kind not in c)[kind] = t
-    ready = [t for t, kind, _ in events if kind == "ready"]
-    ax.axvspan(0, timeline["backward_ms"], color="0.93", label="inside loss.backward()")
-    ax.plot(ready, [-1] * len(ready), "|", color="k", markersize=12, label="a gradient is final (compute)")
-    for i, c in enumerate(calls):
-        ax.barh(i, c["done"] - c["launch"], left=c["launch"], height=0.6, color="tab:blue",
-                label=f"{collective} in flight: launch to completion" if i == 0 else None)
-        ax.text(c["done"], i, f" {c['bytes'] / 1024:.0f} KiB", va="center", fontsize=7)
-    waits = [(c["wait"], c["waited"]) for c in calls if "wait" in c]
-    for i, (begin, end) in enumerate(waits):
-        ax.barh(len(calls), end - begin, left=begin, height=0.6, color="tab:red",
-                label="blocked in wait() (not hidden)" if i == 0 else None)
-    ax.set_yticks([-1, *range(len(calls)), len(calls)], ["gradients", *[f"bucket {i}" for i in range(len(calls))], "wait"])
-    ax.invert_yaxis()
-    ax.set_title(f"rank {rank}", fontsize=9, loc="left")
-    return max(ready, default=0.0), sum(end - begin for begin, end in waits)

@@ -7,6 +7,7 @@ flatten_params_      one flat buffer per param group; the parameters become view
 reduce_scatter_mean  each rank receives the data-parallel mean of its own gradient shard
 all_gather_params    every rank receives every rank's updated shard, straight into the model
 clip_grad_norm_      global-norm clipping when each rank holds only a shard of the gradient
+shard_master         this rank's fp32 master: its shard of the flat buffer, taken before the bf16 cast
 Zero1Optimizer       reduce-scatter -> optimizer step on this rank's shard -> all-gather
 
 Memory per rank (ZeRO paper, section 5.1): 4 Psi + K Psi / Nd bytes with mixed precision, and
@@ -142,6 +143,19 @@ def param_groups_of(model: torch.nn.Module, params=None) -> list[dict]:
     return groups
 
 
+def shard_master(flat: torch.Tensor, layout: ShardLayout, rank: int,
+                 compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(master, compute_flat): this rank's shard of `flat` as the fp32 master, and `flat` in the compute dtype.
+
+    The master is taken before any cast, so it keeps the full fp32 weights: a view of flat's
+    shard when the model computes in fp32 (no copy), else an fp32 copy of the shard.
+    """
+    start, stop = layout.shard(rank)
+    if compute_dtype == MASTER_DTYPE == flat.dtype:
+        return flat[start:stop], flat  # the model's own fp32 elements: the optimizer updates them in place
+    return flat[start:stop].to(MASTER_DTYPE, copy=True), flat.to(compute_dtype)
+
+
 def gather_shards(shard: torch.Tensor, dst: int) -> torch.Tensor | None:
     """The concatenation of every rank's `shard` on rank `dst` (None elsewhere)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -257,19 +271,16 @@ class Zero1Optimizer(ShardedCheckpoint, OptimizerOverCopies):
     def _flatten_group(self, params, param_dtype) -> FlatGroup:
         flat, layout = flatten_params_(params, self.world_size)
         dist.broadcast(flat, src=0)  # every rank starts from rank 0's weights, as in DDP
-        start, stop = layout.shard(self.rank)
-        compute_dtype = param_dtype or flat.dtype
-        # Taken before any cast, the master keeps the full fp32 weights.
-        master = flat[start:stop] if compute_dtype == MASTER_DTYPE else flat[start:stop].to(MASTER_DTYPE, copy=True)
-        if compute_dtype != flat.dtype:
-            flat = flat.to(compute_dtype)
-            for p, view in zip(params, param_views(flat, params)):
+        master, compute_flat = shard_master(flat, layout, self.rank, param_dtype or flat.dtype)
+        if compute_flat is not flat:  # the model computes in the compute dtype from now on
+            for p, view in zip(params, param_views(compute_flat, params)):
                 p.data = view
-        return FlatGroup(params, layout, flat, master, self._new_flat_grad(flat, params))
+        return FlatGroup(params, layout, compute_flat, master, self._new_flat_grad(compute_flat, params))
 
     def _new_flat_grad(self, flat_param, params):
         # .grad as views into one flat buffer: backward accumulates into them in place, so the
-        # reduce-scatter needs no copy (DeepSpeed's contiguous gradients, DDP's gradient_as_bucket_view).
+        # reduce-scatter needs no copy (like DDP's gradient_as_bucket_view; DeepSpeed's
+        # contiguous_gradients copies the gradients into a buffer instead).
         flat_grad = torch.zeros_like(flat_param)
         for p, view in zip(params, param_views(flat_grad, params)):
             p.grad = view
@@ -295,7 +306,7 @@ class Zero1Optimizer(ShardedCheckpoint, OptimizerOverCopies):
     @torch.no_grad()
     def _reduce_into_masters(self) -> None:
         """Give each fp32 master its averaged gradient shard, once per step."""
-        if self.groups[0].master.grad is None:
+        if self.groups[0].master.grad is None:  # clip_grad_norm_ may have reduced already
             for group, grad_shard in zip(self.groups, self.reduce_gradients()):
                 group.master.grad = grad_shard.to(MASTER_DTYPE)
 
@@ -303,7 +314,7 @@ class Zero1Optimizer(ShardedCheckpoint, OptimizerOverCopies):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the averaged gradient to global L2 norm <= max_norm before step(); return the norm.
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) calls this."""
-        self._reduce_into_masters()
+        self._reduce_into_masters()  # step() will not reduce a second time
         return clip_grad_norm_([g.master.grad for g in self.groups],
                                [g.layout.real_numel(self.rank) for g in self.groups], max_norm)
 
