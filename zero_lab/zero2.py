@@ -123,8 +123,11 @@ class Zero2Optimizer(Zero1Optimizer):
             raise ValueError(f"bucket_numel must be at least 1, got {bucket_numel}")
         self.bucket_numel = bucket_numel
         super().__init__(model, optimizer_class, params, **options)
-        # The shards in the compute dtype, as the paper counts (2 Psi / Nd bytes with bf16): cast to
-        # fp32 in step(). Buckets of every group (self._buckets), in launch order; a hook on each param.
+        # self.grad_shards: per group, a zeroed shard shaped like g.master in g.flat_param's (compute)
+        # dtype, as the paper counts (2 Psi / Nd bytes with bf16; step() casts it to fp32);
+        # self.buckets: every group's self._buckets(index, group), in launch order; self.bucket_of:
+        # param -> its bucket; self.hook_handles: _on_gradient_ready as each bucketed param's
+        # post-accumulate-grad hook.
         self.grad_shards = [torch.zeros_like(g.master, dtype=g.flat_param.dtype) for g in self.groups]
         self.buckets = [bucket for index, group in enumerate(self.groups) for bucket in self._buckets(index, group)]
         self.bucket_of = {p: bucket for bucket in self.buckets for p in bucket.params}
