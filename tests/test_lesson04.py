@@ -1,6 +1,7 @@
 """Lesson 04, ZeRO stage 2: gradients reduce-scattered during backward, only the shard kept."""
 
 import io
+import time
 from fractions import Fraction
 
 import pytest
@@ -10,11 +11,14 @@ import torch.distributed as dist
 from sharded_training import (ADAMW, SIZES, TINY_GPT, assert_close, bytes_per_step, gpt_batches, gpt_groups,
                               gpt_loss, gpt_with_groups, gpt_with_groups_single_process, mlp_batches, mlp_loss,
                               single_process, train, weights)
+import zero_lab
 from zero_lab import launch
 from zero_lab.data import shard_batch
 from zero_lab.memory_ledger import model_state_bytes
 from zero_lab.models import GPT, MLP
 from zero_lab.prepare import prepare
+from zero_lab.pictures import draw_comm_timeline
+from zero_lab.timeline import backward_timeline, record_gradients_ready, recording_collectives
 from zero_lab.zero1 import ShardLayout
 from zero_lab.zero2 import bucket_ranges, rank_slices
 
@@ -213,3 +217,87 @@ def _prepare_errors():
 
 def test_prepare_checks_the_bucket_size():
     assert launch(_prepare_errors, 1, timeout=60) == [True]
+
+
+def _backward_events(stage):
+    model = MLP([16, 32, 32, 32, 4], seed=0)
+    events = []
+    record_gradients_ready(model, events)  # before the optimizer's hooks
+    model, optimizer = prepare(model, torch.optim.AdamW, stage=stage, lr=1e-3, **({"bucket_numel": 600} if stage == 2 else {}))
+    loss = model(shard_batch(torch.randn(8, 16), dist.get_rank(), dist.get_world_size())).pow(2).mean()
+    with recording_collectives(events, "reduce_scatter", "reduce_scatter_single"):
+        start = time.perf_counter()
+        loss.backward()
+        end = time.perf_counter()
+        optimizer.reduce_gradients()  # stage 1 reduce-scatters here
+    return backward_timeline(events, start, end)
+
+
+def test_timeline_stage_2_reduces_during_backward_stage_1_after():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    for stage in (1, 2):
+        for timeline in launch(_backward_events, 2, stage, timeout=60):
+            kinds = [kind for _, kind, _ in timeline["events"]]
+            last_ready = len(kinds) - 1 - kinds[::-1].index("ready")
+            launches = [i for i, kind in enumerate(kinds) if kind == "launch"]
+            assert kinds.count("done") == len(launches), "every collective is marked done"
+            if stage == 1:  # one blocking reduce-scatter, after backward: the rank waits for all of it
+                assert len(launches) == 1 and launches[0] > last_ready and kinds.count("wait") == 1
+            else:  # one per bucket (MLP layers of 544, 1056, 1056, 132 elements: 3 buckets), the first during backward
+                assert len(launches) == 3 and launches[0] < last_ready and kinds.count("wait") == 3
+            _, ax = plt.subplots()
+            last_gradient, waited = draw_comm_timeline(ax, 0, timeline, collective="reduce-scatter")
+            assert 0 <= last_gradient <= timeline["backward_ms"] and waited >= 0
+            plt.close("all")
+
+
+# Typical wrong versions of the stage's algorithm (exercises 4-6): each must fail a graded test cell.
+_HOOK_QUEUE = """        if not self.final_callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self.final_callback_queued = True
+"""
+_HOOK_LOOP = """        while self.next_bucket < len(self.buckets) and self._is_complete(self.buckets[self.next_bucket]):
+            self._launch(self.buckets[self.next_bucket])
+            self.next_bucket += 1
+"""
+_LAUNCH_WAITS = """        if self.in_flight is not None:  # one bucket in flight: gradient memory stays bounded
+            self._accumulate(self.in_flight)
+"""
+MUTANTS = {
+    "the end-of-backward callback is never queued": ([(_HOOK_QUEUE, "")], {"gradient_hook", "gradient_shards"}),
+    "every bucket launched at the end of backward": ([(_HOOK_LOOP, "        pass\n")], {"gradient_hook", "gradient_shards"}),
+    "the bucket in flight is not finished first": ([(_LAUNCH_WAITS, "")], {"bucket_launch", "gradient_shards"}),
+    "ready sets never cleared": ([("        bucket.ready.clear()\n        ### END SOLUTION", "        ### END SOLUTION")],
+                                {"bucket_launch", "gradient_shards"}),
+}
+
+
+@pytest.mark.parametrize("mutant", MUTANTS)
+def test_wrong_algorithms_fail_graded_cells(mutant):
+    """The lesson's export and test cells run as grading runs them, with one method broken."""
+    import nbformat
+
+    from zero_lab.course_tools.implementation import REPO
+
+    replacements, must_fail = MUTANTS[mutant]
+    cells = nbformat.read(REPO / "solutions" / "04_zero2" / "04_zero2.ipynb", as_version=4).cells
+    namespace, failed = {"__name__": "lesson04"}, set()
+    for cell in cells:
+        source, tags = cell.source, cell.metadata.get("tags", [])
+        if cell.cell_type != "code" or tags or "with needs_exercises()" in source:
+            continue  # demo cells and worked examples
+        if "class Zero2Optimizer" in source:
+            for old, new in replacements:
+                assert old in source, f"the mutant {mutant!r} no longer applies to the notebook"
+                source = source.replace(old, new)
+        test_id = source.split()[2] if source.startswith("#| test ") else None
+        if test_id in (None, "bucket_launch", "gradient_hook", "finish_backward", "gradient_shards") or test_id in must_fail:
+            try:
+                exec(compile(source, test_id or "cell", "exec"), namespace)
+            except (AssertionError, zero_lab.RankFailed):
+                failed.add(test_id)
+        if test_id == "gradient_shards":
+            break
+    assert must_fail <= failed, f"{mutant}: only {sorted(failed)} failed"

@@ -13,7 +13,7 @@ for a model and any optimizer that exposes torch's `param_groups` and `state` (A
 `exp_avg` is m, `exp_avg_sq` is v); an optimizer that keeps its tensors elsewhere can build
 the dict itself.
 
-    draw_comm_timeline(ax, rank, timeline)  # one rank's backward and its collectives, lessons 02-03
+    draw_comm_timeline(ax, rank, timeline)  # one rank's backward and its collectives, lessons 02-04
 
 draws what a rank recorded around one backward pass: when each gradient became final, each
 collective from launch to completion, and the time the rank spent waiting for communication.
@@ -96,13 +96,14 @@ def draw_comm_timeline(ax, rank: int, timeline: dict, collective: str = "all-red
     timeline = {"backward_ms": when backward() returned, "events": [(ms, kind, bytes), ...]} with
     kinds "ready" (a gradient is final), "launch" and "done" (a collective started, completed),
     "wait" and "waited" (the rank started and stopped waiting for it); a collective's later
-    events are matched to it by its bytes. Returns (when the last gradient was final, ms waited).
+    events are matched to it by its bytes (zero_lab.timeline records them). Each wait is a red
+    bar. Returns (when the last gradient was final, ms spent waiting, summed over the waits).
     """
     events, launched = timeline["events"], []
     for t, kind, nbytes in events:
         if kind == "launch":
             launched.append({"launch": t, "bytes": nbytes})
-        elif kind in ("done", "wait", "waited"):
+        elif kind in ("done", "wait", "waited"):  # completions and waits come in launch order
             next(c for c in launched if c["bytes"] == nbytes and kind not in c)[kind] = t
     ready = [t for t, kind, _ in events if kind == "ready"]
     ax.axvspan(0, timeline["backward_ms"], color="0.93", label="inside loss.backward()")
@@ -111,11 +112,12 @@ def draw_comm_timeline(ax, rank: int, timeline: dict, collective: str = "all-red
         ax.barh(i, c["done"] - c["launch"], left=c["launch"], height=0.6, color="tab:blue",
                 label=f"{collective} in flight: launch to completion" if i == 0 else None)
         ax.text(c["done"], i, f" {c['bytes'] / 1024:.0f} KiB", va="center", fontsize=7)
-    first_wait, last_waited = min(c["wait"] for c in launched), max(c["waited"] for c in launched)
-    ax.barh(len(launched), last_waited - first_wait, left=first_wait, height=0.6, color="tab:red",
-            label="waiting for communication (not hidden)")
+    waits = [(c["wait"], c["waited"]) for c in launched if "wait" in c]
+    for i, (begin, end) in enumerate(waits):
+        ax.barh(len(launched), end - begin, left=begin, height=0.6, color="tab:red",
+                label="waiting for communication (not hidden)" if i == 0 else None)
     ax.set_yticks([-1, *range(len(launched)), len(launched)],
                   ["gradients", *[f"{message} {i}" for i in range(len(launched))], "wait"])
     ax.invert_yaxis()
     ax.set_title(f"rank {rank}", fontsize=9, loc="left")
-    return max(ready), last_waited - first_wait
+    return max(ready, default=0.0), sum(end - begin for begin, end in waits)

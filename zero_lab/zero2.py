@@ -8,7 +8,8 @@ rank_slices            where a bucket meets each rank's shard: the pieces of its
 Bucket                 one bucket's bookkeeping, from its first gradient to its reduced slice
 reduce_scatter_bucket  flatten a full bucket's gradients, free them, start its reduce-scatter
 accumulate_into_shard  wait for it, add this rank's slice of the mean into the gradient shard
-Zero2Optimizer         lesson 03's Zero1Optimizer, fed by hooks that run the two above
+Zero2Optimizer         lesson 03's Zero1Optimizer, fed by hooks: launch complete buckets in order
+                       during backward, one in flight; drain the rest when backward ends
 
 Layout, fp32 masters, step, all-gather, clipping and checkpoints are lesson 03's
 (zero_lab.zero1). Memory per rank (ZeRO paper, section 5.2): 2 Psi + (2 + K) Psi / Nd bytes
@@ -122,15 +123,19 @@ class Zero2Optimizer(Zero1Optimizer):
             raise ValueError(f"bucket_numel must be at least 1, got {bucket_numel}")
         self.bucket_numel = bucket_numel
         super().__init__(model, optimizer_class, params, **options)
-        # In the compute dtype, as the paper counts (2 Psi / Nd bytes with bf16): cast to fp32 in step().
+        # self.grad_shards: per group, a zeroed shard shaped like g.master in g.flat_param's (compute)
+        # dtype, as the paper counts (2 Psi / Nd bytes with bf16; step() casts it to fp32);
+        # self.buckets: every group's self._buckets(index, group), in launch order; self.bucket_of:
+        # param -> its bucket; self.hook_handles: _on_gradient_ready as each bucketed param's
+        # post-accumulate-grad hook.
         self.grad_shards = [torch.zeros_like(g.master, dtype=g.flat_param.dtype) for g in self.groups]
         self.buckets = [bucket for index, group in enumerate(self.groups) for bucket in self._buckets(index, group)]
         self.bucket_of = {p: bucket for bucket in self.buckets for p in bucket.params}
+        self.hook_handles = [p.register_post_accumulate_grad_hook(self._on_gradient_ready) for p in self.bucket_of]
         self.next_bucket = 0  # buckets are launched strictly in order, the same on every rank
         self.in_flight = None  # the bucket being reduce-scattered: at most one
         self.final_callback_queued = False
         self.shards_used = False  # step() used the shards: zero_grad() must come before the next backward
-        self.hook_handles = [p.register_post_accumulate_grad_hook(self._on_gradient_ready) for p in self.bucket_of]
 
     def _new_flat_grad(self, flat_param, params):
         for p in params:
@@ -142,12 +147,18 @@ class Zero2Optimizer(Zero1Optimizer):
         return [Bucket(index, start, stop, [group.params[i] for i in members], rank_slices(start, stop, group.layout))
                 for start, stop, members in ranges]
 
+    @staticmethod
+    def _is_complete(bucket: Bucket) -> bool:
+        return len(bucket.ready) == len(bucket.params)
+
     def _on_gradient_ready(self, param) -> None:
+        """The hook: param.grad is final for this backward. Queue _finish_backward once per backward,
+        mark param ready, and launch, strictly in bucket order, every bucket that is now complete."""
+        if self.shards_used and not self.final_callback_queued:
+            raise RuntimeError("backward after optimizer.step() without optimizer.zero_grad(): stage 2 keeps "
+                               "the gradients in shards that model.zero_grad() cannot reach, so they would add "
+                               "to the last step's. Call optimizer.zero_grad() after optimizer.step().")
         if not self.final_callback_queued:
-            if self.shards_used:
-                raise RuntimeError("backward after optimizer.step() without optimizer.zero_grad(): stage 2 keeps "
-                                   "the gradients in shards that model.zero_grad() cannot reach, so they would add "
-                                   "to the last step's. Call optimizer.zero_grad() after optimizer.step().")
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self.final_callback_queued = True
         self.bucket_of[param].ready.add(param)
@@ -155,23 +166,21 @@ class Zero2Optimizer(Zero1Optimizer):
             self._launch(self.buckets[self.next_bucket])
             self.next_bucket += 1
 
-    @staticmethod
-    def _is_complete(bucket: Bucket) -> bool:
-        return len(bucket.ready) == len(bucket.params)
-
     def _launch(self, bucket: Bucket) -> None:
+        """Start reduce-scattering a complete bucket, after finishing the one in flight: at most one."""
         if self.in_flight is not None:  # one bucket in flight: gradient memory stays bounded
             self._accumulate(self.in_flight)
         reduce_scatter_bucket(bucket, self.rank)
         self.in_flight = bucket
 
     def _accumulate(self, bucket: Bucket) -> None:
+        """Finish a launched bucket into its group's gradient shard; its parameters are not ready any more."""
         shard_start = self.groups[bucket.group].layout.shard(self.rank)[0]
         accumulate_into_shard(bucket, self.grad_shards[bucket.group], shard_start, self.rank)
         bucket.ready.clear()
 
     def _finish_backward(self) -> None:
-        """Runs when backward ends: reduce the buckets of parameters it did not reach, wait for all."""
+        """Runs when backward ends: launch the buckets it did not reach, finish the last, reset."""
         for bucket in self.buckets[self.next_bucket:]:
             self._launch(bucket)
         if self.in_flight is not None:
