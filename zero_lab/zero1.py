@@ -156,11 +156,14 @@ def shard_master(flat: torch.Tensor, layout: ShardLayout, rank: int,
     return flat[start:stop].to(MASTER_DTYPE, copy=True), flat.to(compute_dtype)
 
 
-def gather_shards(shard: torch.Tensor, dst: int) -> torch.Tensor | None:
-    """The concatenation of every rank's `shard` on rank `dst` (None elsewhere)."""
+def gather_shards(shard: torch.Tensor, dst: int, device: torch.device | None = None) -> torch.Tensor | None:
+    """The concatenation of every rank's `shard` on rank `dst` (None elsewhere), gathered on `device`
+    (default the shard's): the model's, since nccl gathers only CUDA tensors and an offloaded shard
+    lives on the host."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    shard = shard.to(device or shard.device).contiguous()
     parts = [torch.empty_like(shard) for _ in range(world_size)] if rank == dst else None
-    dist.gather(shard.contiguous(), parts, dst=dst)
+    dist.gather(shard, parts, dst=dst)
     return torch.cat(parts) if rank == dst else None
 
 
@@ -203,7 +206,7 @@ class ShardedCheckpoint:
         for group in self.groups:
             state = self.optimizer.state[group.master]
             shards = {"master": group.master, **{k: v for k, v in state.items() if v.dim() > 0}}
-            gathered = {key: gather_shards(shard, dst) for key, shard in shards.items()}
+            gathered = {key: gather_shards(shard, dst, group.flat_param.device) for key, shard in shards.items()}
             if self.rank != dst:
                 continue
             scalars = {k: v for k, v in state.items() if v.dim() == 0}  # Adam's step count
