@@ -220,10 +220,7 @@ class MasterWeightOptimizer(OptimizerOverCopies):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self.evaluate_closure(closure)
         for master, param in zip(self.master_params, self.model_params):
             master.grad = None if param.grad is None else param.grad.float()
         self.optimizer.step()

@@ -386,10 +386,7 @@ class _Offload:
     @torch.no_grad()
     def step(self, closure=None):
         """One optimizer step (_step); as with torch.optim, a closure re-evaluates the loss first."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self.evaluate_closure(closure)
         self._step()
         self.gradients_sent = False  # stage 1: the next step reduces and sends its own gradients
         return loss

@@ -51,6 +51,15 @@ class OptimizerOverCopies(torch.optim.Optimizer):
     def state(self, state) -> None:
         self.optimizer.state = state
 
+    @staticmethod
+    def evaluate_closure(closure):
+        """What torch.optim's step(closure) does first: re-evaluate the loss, with gradients on
+        (step itself runs under no_grad). None without a closure."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "built", False):
             raise NotImplementedError(f"{type(self).__name__} cannot take parameters after it is built: "

@@ -323,10 +323,7 @@ class Zero1Optimizer(ShardedCheckpoint, OptimizerOverCopies):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:  # as torch.optim: re-evaluate the loss (forward and backward)
-            with torch.enable_grad():
-                loss = closure()
+        loss = self.evaluate_closure(closure)
         self._reduce_into_masters()
         if self.max_grad_norm is not None:
             self.last_grad_norm = self.clip_grad_norm_(self.max_grad_norm)
