@@ -8,7 +8,7 @@ import sys
 import nbformat
 import pytest
 
-from zero_lab.course_tools import build
+from zero_lab.course_tools import build, export
 
 LESSON = "99_fixture"
 SOURCE = f"solutions/{LESSON}/{LESSON}.ipynb"
@@ -130,7 +130,7 @@ def test_mine_switch_imports_the_learners_module(built_repo, tmp_path):
     answer.source = answer.source.replace("raise NotImplementedError()", "tensor.mul_(2)  # mine")
     nbformat.write(learner, tmp_path / f"{LESSON}.ipynb")
     mine = tmp_path / "mine"
-    assert build.export_mine(tmp_path / f"{LESSON}.ipynb", mine) == [mine / "fixture_ops.py"]
+    assert export.export_mine(tmp_path / f"{LESSON}.ipynb", mine) == [mine / "fixture_ops.py"]
 
     def python(impl, code):
         env = dict(os.environ, ZERO_LAB_IMPL=impl, ZERO_LAB_MINE_DIR=str(mine))

@@ -1,17 +1,53 @@
-"""zero-lab: build ZeRO yourself. Lessons export their modules here; see README.md."""
+"""zero-lab: build ZeRO yourself. Lessons export their modules here; see README.md.
+
+`import zero_lab` is light (no torch): it installs the switch between the reference code and
+the learner's own, and, in a Jupyter kernel, the one-line message for an unfinished exercise.
+The names below load their module (and torch) on first use: `zero_lab.launch`, `zero_lab.prepare`.
+"""
+
+import importlib
+import os
+import sys
+import types
 
 from zero_lab.course_tools import implementation
+
+# Asking "is there a GPU?" through NVML keeps CUDA uninitialised in the parent, so ranks forked
+# by zero_lab.launch can still use it. Set here, before the user's code first asks torch.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 # First, so that every later `import zero_lab.<module>` goes through the reference/mine switch.
 implementation.install()
 
-from zero_lab.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from zero_lab.comm_ledger import CommLedger  # noqa: E402
-from zero_lab.course_tools import notebook  # noqa: E402
-from zero_lab.launcher import RankFailed, RanksHung, init_distributed, launch, launch_restored  # noqa: E402
-from zero_lab.prepare import prepare  # noqa: E402
+if implementation.in_notebook():  # in Jupyter: an unfinished exercise says so in one line
+    from zero_lab.course_tools import notebook
 
-notebook.install()  # in Jupyter: an unfinished exercise says so in one line
+    notebook.install()
 
-__all__ = ["CommLedger", "RankFailed", "RanksHung", "init_distributed", "launch", "launch_restored",
-           "load_checkpoint", "prepare", "save_checkpoint"]
+_LAZY = {"CommLedger": "zero_lab.comm_ledger", "RankFailed": "zero_lab.launcher", "RanksHung": "zero_lab.launcher",
+         "init_distributed": "zero_lab.launcher", "launch": "zero_lab.launcher", "launch_restored": "zero_lab.launcher",
+         "load_checkpoint": "zero_lab.checkpoint", "save_checkpoint": "zero_lab.checkpoint", "prepare": "zero_lab.prepare"}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'zero_lab' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # once: later uses are plain attribute reads
+    return value
+
+
+def __dir__():
+    return sorted([*globals(), *_LAZY])
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name, value):
+        # `import zero_lab.prepare` (train.py, the stage modules) binds the submodule here, over the function.
+        if name == "prepare" and isinstance(value, types.ModuleType):
+            value = value.prepare
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

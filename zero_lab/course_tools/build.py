@@ -22,57 +22,20 @@ import nbformat
 from nbgrader.preprocessors import NbGraderPreprocessor
 
 from zero_lab.course_tools import questions
-from zero_lab.course_tools.implementation import REPO
+from zero_lab.course_tools.export import (COURSE_DIR, GENERATED_PREFIX, PACKAGE_DIR, REPO, SOLUTION_MARKERS, SOURCE_DIR,
+                                          BuildError, Directive, is_generated, module_sources, notebook_text,
+                                          parse_directive, read_notebook)
 
 CONFIG_NAME = "nbgrader_config.py"
-SOURCE_DIR, COURSE_DIR, PACKAGE_DIR = "solutions", "course", "zero_lab"
 FIX = "run `zero-lab build`"
 # What the build last wrote (repo-relative path -> sha256), to tell its own files from edits.
 MANIFEST = ".zero-lab/built.json"
-GENERATED_PREFIX = "# Generated from "
 
-DIRECTIVE = re.compile(r"#\|\s*(\w+)\s*(.*)")
-TEST_ARGS = re.compile(r"(?P<id>[\w-]+)\s+points=(?P<points>\d+(?:\.\d+)?)")
-ID = re.compile(r"[\w-]+")
-MODULE = re.compile(r"[a-z_][a-z0-9_]*")
 FIRST_DEFINITION = re.compile(r"^(?:async\s+)?(?:def|class)\s+(\w+)", re.MULTILINE)
-# nbgrader recognises a delimiter anywhere in a line, so do we.
-SOLUTION_MARKERS = ("BEGIN SOLUTION", "END SOLUTION")
 HIDDEN_MARKERS = ("BEGIN HIDDEN TESTS", "END HIDDEN TESTS")
 # What nbgrader puts in place of a solution region: never a sign of a leak.
 STUB_LINES = {"# YOUR CODE HERE", "raise NotImplementedError()"}
 MIN_LEAK_LINE = 8  # shorter region lines ("pass", "else:") say nothing about a leak
-
-
-class BuildError(Exception):
-    """A lesson cannot be built, or (with --check) the generated files are out of date."""
-
-
-@dataclass(frozen=True)
-class Directive:
-    kind: str  # "export", "solution" or "test"
-    name: str  # the module for export, else the cell's grade id
-    points: float | None = None
-
-
-def parse_directive(source: str, where: str) -> Directive | None:
-    """The directive on the first line of a code cell, if any."""
-    first_line = source.lstrip("\n").split("\n", 1)[0].strip()
-    match = DIRECTIVE.fullmatch(first_line)
-    if not match:
-        return None
-    kind, args = match[1], match[2].strip()
-    if kind == "export" and MODULE.fullmatch(args):
-        return Directive(kind, args)
-    if kind == "solution" and ID.fullmatch(args):
-        return Directive(kind, args)
-    if kind == "test" and (test := TEST_ARGS.fullmatch(args)):
-        points = float(test["points"])
-        return Directive(kind, test["id"], int(points) if points.is_integer() else points)
-    usage = {"export": "#| export <module>", "solution": "#| solution <id>", "test": "#| test <id> points=<N>"}
-    if kind in usage:
-        raise BuildError(f"{where}: malformed directive {first_line!r}; expected {usage[kind]!r}")
-    raise BuildError(f"{where}: unknown directive {first_line!r}; known: {', '.join(usage.values())}")
 
 
 def has_region(source: str, markers: tuple[str, str]) -> bool:
@@ -150,20 +113,6 @@ class LearnerEdition(NbGraderPreprocessor):
         return learner_edition(nb), resources
 
 
-def is_generated(module_file: Path) -> bool:
-    with open(module_file) as f:
-        return f.readline().startswith(GENERATED_PREFIX)
-
-
-def read_notebook(path: Path) -> nbformat.NotebookNode:
-    return nbformat.read(path, as_version=4)
-
-
-def notebook_text(nb: nbformat.NotebookNode) -> str:
-    """The one JSON form every notebook the build writes has."""
-    return nbformat.writes(nb).rstrip("\n") + "\n"
-
-
 def annotate(nb: nbformat.NotebookNode, where: str) -> nbformat.NotebookNode:
     """A copy of a source notebook with nbgrader metadata from its directives, outputs cleared."""
     nb = nbformat.from_dict(nb)
@@ -186,20 +135,6 @@ def annotate(nb: nbformat.NotebookNode, where: str) -> nbformat.NotebookNode:
         seen[grade_id] = index
         cell.metadata.nbgrader = meta
     return nb
-
-
-def module_sources(nb: nbformat.NotebookNode, banner: str, where: str) -> dict[str, str]:
-    """{module: code} from the `#| export` cells, directive and solution markers removed."""
-    cells: dict[str, list[str]] = {}
-    for index, cell in enumerate(nb.cells):
-        if cell.cell_type != "code":
-            continue
-        directive = parse_directive(cell.source, f"{where}, cell {index}")
-        if directive and directive.kind == "export":
-            lines = cell.source.lstrip("\n").splitlines()[1:]
-            code = "\n".join(line for line in lines if not any(m in line for m in SOLUTION_MARKERS))
-            cells.setdefault(directive.name, []).append(code.strip("\n"))
-    return {module: f"{banner}\n\n" + "\n\n\n".join(parts) + "\n" for module, parts in cells.items()}
 
 
 def source_notebook(repo: Path, lesson: str) -> Path:
@@ -444,16 +379,3 @@ def check(repo: Path = REPO, names: list[str] | None = None) -> list[str]:
     for path in stale_files(repo, rendered, all_lessons=not names):
         problems.append(f"{path.relative_to(repo).as_posix()}: no lesson generates it any more; {FIX}")
     return problems + leaks(repo, rendered.sources)
-
-
-def export_mine(notebook: Path, directory: Path) -> list[Path]:
-    """Write a learner notebook's `#| export` cells to `directory`/<module>.py (ZERO_LAB_IMPL=mine)."""
-    banner = f"# Exported from your {notebook.name} by `zero-lab mine`: ZERO_LAB_IMPL=mine imports it."
-    modules = module_sources(read_notebook(notebook), banner, str(notebook))
-    directory.mkdir(parents=True, exist_ok=True)
-    written = []
-    for module, code in modules.items():
-        path = directory / f"{module}.py"
-        path.write_text(code)
-        written.append(path)
-    return written

@@ -6,11 +6,22 @@ import argparse
 import sys
 from pathlib import Path
 
-from zero_lab.course_tools import build, grading, questions, workspace
-from zero_lab.course_tools.implementation import REPO, mine_dir
+from zero_lab.course_tools import questions, workspace
+from zero_lab.course_tools.export import REPO, WORK_DIR, BuildError, export_mine, workspace_notebooks
+from zero_lab.course_tools.implementation import mine_dir
+
+# build and grading load nbgrader (a second or more): only the commands that use them import them.
+
+
+def course_errors() -> tuple[type[Exception], ...]:
+    """The errors a command reports in one line; grading's once a command has loaded it."""
+    grading = sys.modules.get("zero_lab.course_tools.grading")
+    return (BuildError, workspace.WorkspaceError) + ((grading.GradingError,) if grading else ())
 
 
 def run_build(args) -> int:
+    from zero_lab.course_tools import build
+
     if args.check:
         problems = build.check(names=args.lessons)
         for problem in problems:
@@ -35,6 +46,8 @@ def show_progress(line: str) -> None:
 
 
 def run_grade(args) -> int:
+    from zero_lab.course_tools import grading
+
     notebook = workspace.default_notebook(args.lesson)
     print(f"grading {notebook} (visible and hidden tests) ...", file=sys.stderr)
     report = grading.grade(notebook, progress=show_progress)
@@ -44,6 +57,8 @@ def run_grade(args) -> int:
 
 
 def run_hand_in(args) -> int:
+    from zero_lab.course_tools import build, grading
+
     lesson = build.find_lessons(REPO, [args.lesson])[0]
     folder = grading.hand_in(REPO, lesson, args.student, args.notebook)
     print(f"{args.notebook} -> {folder.relative_to(REPO)}/ (now `nbgrader autograde {lesson}`)")
@@ -51,13 +66,15 @@ def run_hand_in(args) -> int:
 
 
 def run_mine(args) -> int:
+    from zero_lab.course_tools import grading
+
     notebooks = ([grading.learner_notebook(workspace.default_notebook(name)) for name in args.lessons]
-                 or workspace.workspace_notebooks())
+                 or workspace_notebooks())
     if not notebooks:
-        print(f"no lesson notebook in {workspace.WORK_DIR}/: `zero-lab start <lesson>` makes one", file=sys.stderr)
+        print(f"no lesson notebook in {WORK_DIR}/: `zero-lab start <lesson>` makes one", file=sys.stderr)
         return 1
     for notebook in notebooks:
-        written = build.export_mine(notebook, args.to)
+        written = export_mine(notebook, args.to)
         if not written:
             print(f"{notebook} has no `#| export` cells", file=sys.stderr)
         for path in written:
@@ -138,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return args.run(args)
-    except (build.BuildError, grading.GradingError, workspace.WorkspaceError) as error:
+    except course_errors() as error:
         print(f"zero-lab {args.command}: {error}", file=sys.stderr)
         return 1
 

@@ -19,8 +19,8 @@ import os
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-PACKAGE = Path(__file__).resolve().parents[1]
+from zero_lab.course_tools.export import PACKAGE, REPO, export_mine, is_generated, workspace_notebooks
+
 CHOICES = ("reference", "mine")
 
 
@@ -34,7 +34,6 @@ def in_notebook() -> bool:
 
 
 def is_lesson_module(path: Path) -> bool:
-    from zero_lab.course_tools.build import is_generated  # build imports this module
     return path.is_file() and is_generated(path)
 
 
@@ -67,9 +66,8 @@ class LessonModules:
 def learner_modules() -> tuple[Path, set[str]]:
     """Where ZERO_LAB_IMPL=mine finds the learner's modules, exporting work/ first if needed."""
     if not os.environ.get("ZERO_LAB_MINE_DIR"):
-        from zero_lab.course_tools import build, workspace
-        for notebook in workspace.workspace_notebooks(REPO):
-            build.export_mine(notebook, mine_dir())
+        for notebook in workspace_notebooks(REPO):
+            export_mine(notebook, mine_dir())
     directory = mine_dir()
     return directory, {p.stem for p in directory.glob("*.py")}
 

@@ -16,10 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zero_lab.course_tools import build
-from zero_lab.course_tools.implementation import REPO
-
-WORK_DIR = "work"
+from zero_lab.course_tools.export import COURSE_DIR, REPO, WORK_DIR, notebook_text, read_notebook
 RELEASE_STAMP = ".release"
 
 
@@ -36,10 +33,10 @@ class Started:
 def lesson_name(name: str, repo: Path = REPO) -> str:
     """'00', '00_collectives', 'course/00_collectives' or 'work/00_collectives' -> '00_collectives'."""
     name = Path(name).name
-    released = sorted(p.name for p in (repo / build.COURSE_DIR).glob("*") if p.is_dir())
+    released = sorted(p.name for p in (repo / COURSE_DIR).glob("*") if p.is_dir())
     matches = [lesson for lesson in released if lesson == name or lesson.split("_")[0] == name]
     if len(matches) != 1:
-        raise WorkspaceError(f"no lesson {name!r} in {build.COURSE_DIR}/; lessons: {', '.join(released) or 'none'}")
+        raise WorkspaceError(f"no lesson {name!r} in {COURSE_DIR}/; lessons: {', '.join(released) or 'none'}")
     return matches[0]
 
 
@@ -64,15 +61,15 @@ def copy_release(release: Path, target: Path) -> None:
     for notebook in target.glob("*.ipynb"):
         # The kernel (this venv's Python) reports its version when the notebook opens; with it
         # already there, JupyterLab does not mark the learner's fresh copy as modified.
-        nb = build.read_notebook(notebook)
+        nb = read_notebook(notebook)
         nb.metadata.setdefault("language_info", {})["version"] = platform.python_version()
-        notebook.write_text(build.notebook_text(nb))
+        notebook.write_text(notebook_text(nb))
 
 
 def start(name: str, repo: Path = REPO, fresh: bool = False, side_by_side: bool = False) -> Started:
     """Make (or find) the learner's copy of a lesson; never overwrite the learner's files."""
     lesson = lesson_name(name, repo)
-    release = repo / build.COURSE_DIR / lesson
+    release = repo / COURSE_DIR / lesson
     target = workspace(repo, lesson)
     relative = target.relative_to(repo)
     notebook = target / f"{lesson}.ipynb"
@@ -83,7 +80,7 @@ def start(name: str, repo: Path = REPO, fresh: bool = False, side_by_side: bool 
         return Started(notebook, [f"moved your copy to {backup.relative_to(repo)}/ and copied a fresh {relative}/"])
     if not target.exists():
         copy_release(release, target)
-        return Started(notebook, [f"copied {build.COURSE_DIR}/{lesson}/ to {relative}/ (your copy: edit and grade this one)"])
+        return Started(notebook, [f"copied {COURSE_DIR}/{lesson}/ to {relative}/ (your copy: edit and grade this one)"])
     messages = [f"{relative}/ exists: opening your copy (unchanged)"]
     stamp = target / RELEASE_STAMP
     seen = stamp.read_text().strip() if stamp.exists() else None
@@ -94,7 +91,7 @@ def start(name: str, repo: Path = REPO, fresh: bool = False, side_by_side: bool 
             stamp.write_text(release_hash(release) + "\n")
             messages.append(f"the new release of {lesson} is in {beside.relative_to(repo)}/; your notebook is untouched")
         else:
-            messages.append(f"a newer release of {lesson} is in {build.COURSE_DIR}/{lesson}/ (your notebook is untouched): "
+            messages.append(f"a newer release of {lesson} is in {COURSE_DIR}/{lesson}/ (your notebook is untouched): "
                             f"`zero-lab start {lesson} --side-by-side` copies it next to yours")
     return Started(notebook, messages)
 
@@ -108,10 +105,6 @@ def default_notebook(name: str, repo: Path = REPO) -> Path:
     copy = workspace(repo, lesson)
     if not copy.exists():
         raise WorkspaceError(f"no copy of {lesson} in {WORK_DIR}/ yet: `zero-lab start {lesson}` makes one "
-                             f"(or pass a path, e.g. {build.COURSE_DIR}/{lesson})")
+                             f"(or pass a path, e.g. {COURSE_DIR}/{lesson})")
     return copy
 
-
-def workspace_notebooks(repo: Path = REPO) -> list[Path]:
-    """The learner's lesson notebooks in work/, in lesson order."""
-    return sorted(p for p in (repo / WORK_DIR).glob("*/*.ipynb") if p.stem == p.parent.name)
