@@ -2,6 +2,10 @@
 with torch.optim.AdamW on one process trains the same on N ranks, or is refused with an error."""
 
 import copy
+import dataclasses
+import importlib
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -15,6 +19,7 @@ from zero_lab import CommLedger, launch
 from zero_lab.ddp import MasterWeightOptimizer
 from zero_lab.models import MLP
 from zero_lab.prepare import prepare
+from zero_lab.stages import OFFLOAD_MODULE, STAGES
 
 SCHEDULERS = {
     "StepLR": lambda optimizer: StepLR(optimizer, step_size=3, gamma=0.3),
@@ -165,3 +170,34 @@ def test_bad_input_is_refused_with_the_fix():
     assert "meta" in errors["meta"] and "to_empty" in errors["meta"]
     assert "int" in errors["stage=True"] and "bool" in errors["stage=True"]
     assert "float" in errors["stage=1.0"]
+
+
+def _prepare_a_stage_of_one_row():
+    # What lesson 09 adds for ZeRO++: one row; here its module is not built yet.
+    STAGES[4] = dataclasses.replace(STAGES[2], name="next", module="zero_lab.not_built_yet", lesson="99_next")
+    with pytest.raises(RuntimeError) as unbuilt:
+        prepare(MLP(SIZES, seed=0), torch.optim.AdamW, stage=4, lr=1e-3)
+    with pytest.raises(TypeError) as unknown:
+        prepare(MLP(SIZES, seed=0), torch.optim.AdamW, stage=4, units=())
+    return str(unbuilt.value), str(unknown.value)
+
+
+def test_a_stage_is_one_row_of_the_table_and_an_unbuilt_one_names_its_lesson():
+    unbuilt, unknown = launch(_prepare_a_stage_of_one_row, 1, timeout=60)[0]
+    assert unbuilt == "stage 4 needs zero_lab.not_built_yet, which does not exist yet: run `zero-lab build 99_next`"
+    assert "'units' needs stage 3 or higher" in unknown
+
+
+def test_every_stage_of_the_table_is_built():
+    for number, stage in STAGES.items():
+        module = importlib.import_module(stage.module)
+        assert isinstance(getattr(module, stage.builds), type), number
+        if stage.offload:
+            assert isinstance(getattr(importlib.import_module(OFFLOAD_MODULE), stage.offload), type), number
+
+
+def test_zero_lab_prepare_stays_the_function_once_its_module_is_imported():
+    script = ("import sys, zero_lab; assert 'torch' not in sys.modules, 'import zero_lab loads torch'; "
+              "import zero_lab.prepare; print(zero_lab.prepare.__name__, type(zero_lab.prepare).__name__)")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.stdout.split() == ["prepare", "function"], result.stderr

@@ -4,6 +4,7 @@ learner edition runs to the end with one line per unfinished exercise."""
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
@@ -137,3 +138,11 @@ def test_learner_edition_runs_to_the_end_with_one_line_per_unfinished_exercise(b
     assert len(errors) == 2, errors
     assert re.fullmatch(r".*NotImplementedError on rank \d: all_sum\(\) is not written yet: .*", errors[0])
     assert "NotImplementedError: double() is not written yet: finish that exercise" in errors[1]
+
+
+def test_zero_lab_ask_and_help_load_neither_torch_nor_nbgrader():
+    script = ("import sys; from zero_lab.course_tools import cli; cli.main(['ask', 'stage', '3']); "
+              "print(sorted({'torch', 'nbformat', 'nbgrader'} & set(sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "[]"

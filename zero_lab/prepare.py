@@ -7,11 +7,10 @@
         optimizer.step()
         optimizer.zero_grad()
 
-stage 0  DDP (lesson 02, zero_lab.ddp): everything replicated, gradients all-reduced in buckets
-stage 1  P_os (lesson 03, zero_lab.zero1): optimizer states sharded
-stage 2  P_os+g (lesson 04, zero_lab.zero2): optimizer states and gradients sharded
-stage 3  P_os+g+p (lesson 05, zero_lab.zero3): parameters sharded too, gathered unit by unit
-stage 1-2 with offload="cpu"  ZeRO-Offload (lesson 06, zero_lab.offload): optimizer states and step on the host
+The stages, their modules, classes and options are one table, zero_lab/stages.py (docs/stages.md):
+stage 0 is DDP (lesson 02), 1 shards the optimizer states (P_os, lesson 03), 2 the gradients too
+(P_os+g, lesson 04), 3 the parameters too (P_os+g+p, lesson 05); stages 1-2 with offload="cpu"
+are ZeRO-Offload (lesson 06).
 
 Options besides the optimizer's own (lr, betas, weight_decay, ...):
     params=         tensors or param-group dicts, as torch.optim takes them (default: all of the model's)
@@ -49,13 +48,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-MODULES = {0: "zero_lab.ddp", 1: "zero_lab.zero1", 2: "zero_lab.zero2", 3: "zero_lab.zero3"}
-LESSONS = {0: "02_ddp", 1: "03_zero1", 2: "04_zero2", 3: "05_zero3"}
-OFFLOAD_OPTIONS = {"offload", "dpu_warmup_steps", "cpu_adam", "adam_threads"}
-ZERO_OPTIONS = {0: {"param_dtype"}, 1: {"param_dtype", "max_grad_norm", *OFFLOAD_OPTIONS},
-                2: {"param_dtype", "max_grad_norm", "bucket_numel", *OFFLOAD_OPTIONS},
-                3: {"param_dtype", "max_grad_norm", "units", "prefetch", "max_live_numel", "reshard_last", "init_fn"}}
-OFFLOAD_MODULE, OFFLOAD_LESSON = "zero_lab.offload", "06_offload"
+from zero_lab.stages import OFFLOAD_LESSON, OFFLOAD_MODULE, OFFLOAD_OPTIONS, STAGES
+
 PARAM_DTYPES = (torch.float32, torch.bfloat16)
 _prepared = WeakIdKeyDictionary()  # model -> what prepare made of it last (holds its gradient hooks)
 
@@ -64,18 +58,13 @@ def prepare(model: torch.nn.Module, optimizer_class: type, stage: int = 0, *, pa
     """Return (model, optimizer) set up for data-parallel training with the given ZeRO stage."""
     model = next((m for m, made in _prepared.items() if made is model), model)  # given stage 0's wrapper back
     _check_setup(model, optimizer_class, stage)
-    zero_options = {k: options.pop(k) for k in list(options) if k in ZERO_OPTIONS[stage]}
+    row = STAGES[stage]
+    zero_options = {k: options.pop(k) for k in list(options) if k in row.options}
     _check_options(optimizer_class, stage, options)
     _check_dtypes(model, zero_options.get("param_dtype"))
     offload = _check_offload(zero_options)
-    module_name, lesson = (OFFLOAD_MODULE, OFFLOAD_LESSON) if offload else (MODULES[stage], LESSONS[stage])
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as missing:
-        if missing.name != module_name:
-            raise
-        raise RuntimeError(f"stage {stage}{' with offload' if offload else ''} needs {module_name}, which does not "
-                           f"exist yet: run `zero-lab build {lesson}`") from None
+    module_name, lesson = (OFFLOAD_MODULE, OFFLOAD_LESSON) if offload else (row.module, row.lesson)
+    module = _lesson_module(module_name, lesson, f"stage {stage}{' with offload' if offload else ''}")
     param_dtype = zero_options.get("param_dtype")
     _warn_about_batch_norm(model)
     previous = _prepared.pop(model, None)
@@ -85,21 +74,29 @@ def prepare(model: torch.nn.Module, optimizer_class: type, stage: int = 0, *, pa
         if hasattr(previous, "unshard_model"):  # stage 3 sharded the model in place: whole parameters again
             previous.unshard_model()
         model.zero_grad(set_to_none=True)  # views into the old optimizer's buffers
-    if stage == 0:
-        wrapped, optimizer = _prepare_ddp(module, model, optimizer_class, params, param_dtype, options)
+    built = getattr(module, row.offload if offload else row.builds)
+    if row.wraps_model:
+        wrapped, optimizer = _prepare_ddp(built, module, model, optimizer_class, params, param_dtype, options)
         _prepared[model] = wrapped
     else:
-        optimizer_type = (module.OFFLOAD_OPTIMIZERS[stage] if offload
-                          else getattr(module, {1: "Zero1Optimizer", 2: "Zero2Optimizer", 3: "Zero3Optimizer"}[stage]))
         wrapped = model
-        _prepared[model] = optimizer = optimizer_type(model, optimizer_class, params, **zero_options, **options)
-    if param_dtype is not None and stage < 3:  # stage 3 casts its shards and the buffers itself
+        _prepared[model] = optimizer = built(model, optimizer_class, params, **zero_options, **options)
+    if param_dtype is not None and not row.shards_parameters:  # stage 3 casts its shards and the buffers itself
         model.to(param_dtype)  # frozen parameters and buffers too; the fp32 masters were taken before
     return wrapped, optimizer
 
 
-def _prepare_ddp(ddp, model, optimizer_class, params, param_dtype, options):
-    model = ddp.BucketedDDP(model)  # broadcasts rank 0's weights first
+def _lesson_module(name: str, lesson: str, what: str):
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as missing:
+        if missing.name != name:
+            raise
+        raise RuntimeError(f"{what} needs {name}, which does not exist yet: run `zero-lab build {lesson}`") from None
+
+
+def _prepare_ddp(wrapper, ddp, model, optimizer_class, params, param_dtype, options):
+    model = wrapper(model)  # broadcasts rank 0's weights first
     params = ddp.trainable_parameters(model) if params is None else params
     if param_dtype is None:
         return model, optimizer_class(params, **options)
@@ -115,21 +112,24 @@ def _check_setup(model, optimizer_class, stage) -> None:
         raise RuntimeError("prepare needs a process group: call it inside zero_lab.launch(fn, world_size), "
                            "or after zero_lab.init_distributed() under torchrun")
     if type(stage) is not int:  # True == 1 and 1.0 == 1 would pass the checks below
-        raise TypeError(f"stage must be the int 0, 1, 2 or 3, got {stage!r} ({type(stage).__name__})")
-    if stage not in MODULES:
-        raise ValueError(f"stage must be one of {sorted(MODULES)} (0 = DDP, 1 = P_os, 2 = P_os+g, 3 = P_os+g+p), got {stage!r}")
+        raise TypeError(f"stage must be an int, one of {sorted(STAGES)}, got {stage!r} ({type(stage).__name__})")
+    if stage not in STAGES:
+        names = ", ".join(f"{number} = {row.name}" for number, row in STAGES.items())
+        raise ValueError(f"stage must be one of {sorted(STAGES)} ({names}), got {stage!r}")
     if isinstance(optimizer_class, torch.optim.Optimizer):
         raise TypeError("pass the optimizer class (torch.optim.AdamW), not an optimizer: "
                         "prepare builds it, over the shards for stages 1-3")
-    shardable = importlib.import_module(MODULES[1]).SHARDABLE_OPTIMIZERS if stage > 0 else None
-    if stage > 0 and optimizer_class not in shardable:
-        names = ", ".join(f"torch.optim.{c.__name__}" for c in shardable)
-        raise ValueError(f"stage {stage} runs the optimizer on a flat shard that cuts through tensors, so its "
-                         f"update must be element-wise: use {names} (or stage=0 for {optimizer_class.__name__})")
+    if not STAGES[stage].wraps_model:  # the optimizer runs on flat shards (zero1's list of those that can)
+        shardable = _lesson_module(STAGES[1].module, STAGES[1].lesson, f"stage {stage}").SHARDABLE_OPTIMIZERS
+        if optimizer_class not in shardable:
+            names = ", ".join(f"torch.optim.{c.__name__}" for c in shardable)
+            raise ValueError(f"stage {stage} runs the optimizer on a flat shard that cuts through tensors, so its "
+                             f"update must be element-wise: use {names} (or stage=0 for {optimizer_class.__name__})")
     devices = {p.device for p in model.parameters()}
     if not devices:
         raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to train")
-    if torch.device("meta") in devices and stage != 3:  # stage 3 materializes it shard by shard (init_fn=)
+    # Stage 3 materializes it shard by shard (init_fn=).
+    if torch.device("meta") in devices and not STAGES[stage].shards_parameters:
         raise ValueError("the model is on the meta device (shapes, no values): materialise it first, "
                          "e.g. model.to_empty(device='cpu') and initialise its weights, or build it on CPU "
                          "(or use stage=3 with init_fn=, which makes only this rank's shards)")
@@ -142,11 +142,12 @@ def _check_options(optimizer_class, stage, options) -> None:
     unknown = sorted(set(options) - accepted)
     if not unknown:
         return
-    if stage == 3 and set(unknown) & OFFLOAD_OPTIONS:
-        raise TypeError("offload works with stages 1 and 2 in this course (ZeRO-Offload, lesson 06): "
-                        'use stage=2 with offload="cpu", or stage=3 without it')
-    elsewhere = {k for s, names in ZERO_OPTIONS.items() if s != stage for k in names}
-    hints = [f"{k!r} needs stage {min(s for s, names in ZERO_OPTIONS.items() if k in names)} or higher"
+    if STAGES[stage].offload is None and set(unknown) & OFFLOAD_OPTIONS:
+        offloaded = " and ".join(str(s) for s, row in STAGES.items() if row.offload)
+        raise TypeError(f"offload works with stages {offloaded} in this course (ZeRO-Offload, lesson 06): "
+                        f'use stage=2 with offload="cpu", or stage={stage} without it')
+    elsewhere = {k for s, row in STAGES.items() if s != stage for k in row.options}
+    hints = [f"{k!r} needs stage {min(s for s, row in STAGES.items() if k in row.options)} or higher"
              for k in unknown if k in elsewhere]
     if stage == 0 and "max_grad_norm" in unknown:
         hints.append("with DDP every rank has the whole averaged gradient: call "
@@ -154,7 +155,7 @@ def _check_options(optimizer_class, stage, options) -> None:
     raise TypeError(f"unknown option(s) {unknown} for stage {stage} with {optimizer_class.__name__}"
                     + (f" ({'; '.join(hints)})" if hints else "")
                     + f": {optimizer_class.__name__} takes {sorted(accepted)}; "
-                    f"stage {stage} adds {sorted(ZERO_OPTIONS[stage]) or 'nothing'}")
+                    f"stage {stage} adds {sorted(STAGES[stage].options) or 'nothing'}")
 
 
 def _check_offload(zero_options: dict) -> bool:

@@ -21,6 +21,7 @@ from zero_lab.comm_ledger import CommLedger
 from zero_lab.data import shard_batch, token_batches
 from zero_lab.launcher import init_distributed, launch
 from zero_lab.models import GPT, GPTConfig
+from zero_lab.stages import STAGES
 
 
 def train(stage: int, steps: int, global_batch: int, lr: float, seed: int = 0) -> list[float]:
@@ -53,7 +54,9 @@ def train(stage: int, steps: int, global_batch: int, lr: float, seed: int = 0) -
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stage", type=int, default=1, help="ZeRO stage (0 = DDP)")
+    parser.add_argument("--stage", type=int, default=1, choices=sorted(STAGES),
+                        help=", ".join(f"{number} = {row.name}" for number, row in STAGES.items())
+                        + " (zero_lab/stages.py)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--global-batch", type=int, default=12, help="split evenly over the ranks")
     parser.add_argument("--lr", type=float, default=3e-3)

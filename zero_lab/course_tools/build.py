@@ -21,6 +21,7 @@ from pathlib import Path
 import nbformat
 from nbgrader.preprocessors import NbGraderPreprocessor
 
+from zero_lab import stages
 from zero_lab.course_tools import questions
 from zero_lab.course_tools.export import (COURSE_DIR, GENERATED_PREFIX, PACKAGE_DIR, REPO, SOLUTION_MARKERS, SOURCE_DIR,
                                           BuildError, Directive, is_generated, module_sources, notebook_text,
@@ -30,6 +31,7 @@ CONFIG_NAME = "nbgrader_config.py"
 FIX = "run `zero-lab build`"
 # What the build last wrote (repo-relative path -> sha256), to tell its own files from edits.
 MANIFEST = ".zero-lab/built.json"
+STAGES_DOC = "docs/stages.md"  # the table of zero_lab/stages.py
 
 FIRST_DEFINITION = re.compile(r"^(?:async\s+)?(?:def|class)\s+(\w+)", re.MULTILINE)
 HIDDEN_MARKERS = ("BEGIN HIDDEN TESTS", "END HIDDEN TESTS")
@@ -220,6 +222,7 @@ def render(repo: Path, lessons: list[str]) -> Rendered:
                 relative = path.relative_to(root).as_posix()
                 files[relative] = notebook_text(read_notebook(path)).encode() if path.suffix == ".ipynb" else path.read_bytes()
     files.update(questions.generated_files(repo))  # docs/questions.md, the index of lesson 08
+    files[STAGES_DOC] = stages.markdown().encode()
     return Rendered(sources, files)
 
 

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from zero_lab import stages
 from zero_lab.course_tools import questions, workspace
 from zero_lab.course_tools.export import REPO, WORK_DIR, BuildError, export_mine, workspace_notebooks
 from zero_lab.course_tools.implementation import mine_dir
@@ -84,6 +85,11 @@ def run_mine(args) -> int:
     return 0
 
 
+def run_stages(args) -> int:
+    print(stages.markdown(), end="")
+    return 0
+
+
 def run_ask(args) -> int:
     print(questions.ask(args.words))
     return 0
@@ -148,6 +154,11 @@ def parser() -> argparse.ArgumentParser:
                                                  "their runnable cells are (index: docs/questions.md).")
     ask_parser.add_argument("words", nargs="+", metavar="WORDS")
     ask_parser.set_defaults(run=run_ask)
+
+    stages_parser = commands.add_parser("stages", help="list the ZeRO stages zero_lab.prepare builds",
+                                        description="Print the table of stages (zero_lab/stages.py, docs/stages.md): "
+                                                    "what each shards, its lesson, module, class and options.")
+    stages_parser.set_defaults(run=run_stages)
     return main_parser
 
 
