@@ -1,6 +1,6 @@
 """Our ZeRO-Offload next to PyTorch's FSDP2 with CPU offload, in the same run.
 
-    python benchmarks/offload_vs_fsdp2.py [--ranks 2] [--steps 12] [--repeats 3]
+    python benchmarks/offload_vs_fsdp2.py [--ranks 2] [--steps 12] [--repeats 3] [--sizes 0.8M 3M 7M 30M]
 
 Each rank trains two replicas of the same GPT on the same shards, fp32 AdamW: ours through
 `zero_lab.prepare(..., stage=2, offload="cpu")`, and FSDP2's `fully_shard(...,
@@ -10,7 +10,8 @@ optimizer states on the host and copies each block's shard to the device for for
 backward; ZeRO-Offload keeps the whole 16-bit model on the device. (`pin_memory=False`: pinning
 needs an accelerator.) Their steps are interleaved so that machine noise hits both alike.
 Prints the largest loss difference, the collectives and bytes each rank sends per step (comm
-ledger, ring convention), our bytes moved between host and device, and the median step time.
+ledger, ring convention), our bytes moved between host and device, and the median step time;
+with several `--sizes`, the ratio ours / FSDP2 per model size.
 
 Without an accelerator both "devices" are this CPU: our device is simulated (its copies are real
 copies), and FSDP2's host-device copies are copies within CPU memory.
@@ -18,19 +19,17 @@ copies), and FSDP2's host-device copies are copies within CPU memory.
 
 from __future__ import annotations
 
-
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy
 
 from zero_lab.data import token_batches
 from zero_lab.memory_ledger import TransferLedger
 from zero_lab.models import GPT, GPTConfig
 from zero_lab.prepare import prepare
-from zero_lab.side_by_side import benchmark_parser, median_over_launches, interleaved_steps, ledger_figures, optimizer_step, timing_note
+from zero_lab.side_by_side import (SIZES, fsdp2_parser, fsdp2_shard, fsdp2_sweep, fsdp2_table, interleaved_steps,
+                                   ledger_figures, median_over_launches, optimizer_step)
 
-CONFIG = GPTConfig(vocab_size=256, n_layer=4, n_head=4, n_embd=128, block_size=64)
+CONFIG = SIZES["0.8M"]
 VERSIONS = ("ZeRO-Offload (ours)", "FSDP2 + CPUOffloadPolicy")
 LR = 1e-3
 
@@ -39,11 +38,7 @@ def build(name: str, model: torch.nn.Module):
     """(model, optimizer) for one version."""
     if name == VERSIONS[0]:
         return prepare(model, torch.optim.AdamW, stage=2, offload="cpu", lr=LR)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    policy = CPUOffloadPolicy(pin_memory=False)
-    for block in model.transformer.h:
-        fully_shard(block, mesh=mesh, reshard_after_forward=False, offload_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, offload_policy=policy)
+    fsdp2_shard(model, reshard_after_forward=False, offload_policy=CPUOffloadPolicy(pin_memory=False))
     return model, torch.optim.AdamW(model.parameters(), lr=LR)
 
 
@@ -74,26 +69,14 @@ def compare(ranks: int = 2, steps: int = 12, warmup: int = 3, repeats: int = 3, 
 
 
 def table(result: dict, psi: int, ranks: int) -> str:
-    fsdp2_ms = result[VERSIONS[1]]["step_ms"]
-    rows = [f"GPT with {psi:,} parameters, {ranks} ranks (CPU, gloo), fp32 AdamW; 2(N-1)/N * 4 bytes * psi "
-            f"= {2 * (ranks - 1) / ranks * 4 * psi:,.0f} bytes",
-            f"{'version':>26} {'bytes sent':>12} {'step ms':>8} {'/ FSDP2':>8}  collectives (calls)"]
-    for name in VERSIONS:
-        row = result[name]
-        calls = ", ".join(f"{kind} {calls}" for kind, (calls, _) in sorted(row["collectives"].items()))
-        rows.append(f"{name:>26} {row['sent_bytes']:>12,.0f} {row['step_ms']:>8.1f} {row['step_ms'] / fsdp2_ms:>8.2f}  {calls}")
     moved = result["moved"]
-    rows.append(f"ours, host <-> device per step (rank 0): {moved['to_host']:,} bytes down, {moved['to_device']:,} up "
-                f"(4 psi / Nd each in fp32 = {4 * psi // ranks:,})")
-    rows.append(f"largest loss difference over {len(result[VERSIONS[0]]['losses'])} steps: {result['max_loss_diff']:.1e}")
-    return "\n".join(rows)
+    note = (f"ours, host <-> device per step (rank 0): {moved['to_host']:,} bytes down, {moved['to_device']:,} up "
+            f"(4 psi / Nd each in fp32 = {4 * psi // ranks:,})")
+    return fsdp2_table(result, psi, ranks, VERSIONS, ("2(N-1)/N * 4 bytes * psi", 2), notes=[note])
 
 
 def main() -> None:
-    args = benchmark_parser(__doc__.split("\n\n")[0]).parse_args()
-    result = compare(args.ranks, args.steps, args.warmup, args.repeats, args.batch_size)
-    print(table(result, GPT(CONFIG).num_params(), args.ranks))
-    print(timing_note(args, {name: result[name]["step_ms_all"] for name in VERSIONS}))
+    fsdp2_sweep(fsdp2_parser(__doc__).parse_args(), compare, table, VERSIONS)
 
 
 if __name__ == "__main__":

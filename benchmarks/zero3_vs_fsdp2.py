@@ -1,6 +1,6 @@
 """Our ZeRO stage 3 next to PyTorch's FSDP2 in its ZeRO-3 mode, in the same run.
 
-    python benchmarks/zero3_vs_fsdp2.py [--ranks 2] [--steps 12] [--repeats 3] [--prefetch 1]
+    python benchmarks/zero3_vs_fsdp2.py [--ranks 2] [--steps 12] [--repeats 3] [--prefetch 1] [--sizes 0.8M 3M 7M 30M]
 
 Each rank trains two replicas of the same GPT on the same shards: ours, through
 `zero_lab.prepare(..., stage=3, units=(Block,))` (one unit per transformer block, the root holds
@@ -9,24 +9,21 @@ the embeddings, the final LayerNorm and the tied head), and FSDP2's
 steps are interleaved so that machine noise hits both alike. Prints the largest loss and weight
 differences, the collectives and bytes each rank sends per step (comm ledger, ring convention),
 the median step time (forward + backward + communication + AdamW, rank 0) over `--repeats`
-launches, and the ratio ours / FSDP2. On CPU, gloo runs a reduce-scatter as an all-reduce: the
+launches, and the ratio ours / FSDP2; with several `--sizes`, that ratio per model size. On CPU, gloo runs a reduce-scatter as an all-reduce: the
 ledger counts a reduce-scatter's bytes, the clock sees an all-reduce's time, for both versions.
 """
 
 from __future__ import annotations
 
-
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from zero_lab.data import token_batches
 from zero_lab.models import GPT, Block, GPTConfig
 from zero_lab.prepare import prepare
-from zero_lab.side_by_side import benchmark_parser, median_over_launches, interleaved_steps, ledger_figures, optimizer_step, timing_note
+from zero_lab.side_by_side import (SIZES, fsdp2_parser, fsdp2_shard, fsdp2_sweep, fsdp2_table, fsdp2_weight_diff,
+                                   interleaved_steps, ledger_figures, median_over_launches, optimizer_step)
 
-CONFIG = GPTConfig(vocab_size=256, n_layer=4, n_head=4, n_embd=128, block_size=64)
+CONFIG = SIZES["0.8M"]
 VERSIONS = ("ZeRO-3 (ours)", "FSDP2 (ZeRO-3 mode)")
 LR = 1e-3
 
@@ -35,30 +32,17 @@ def build(name: str, model: torch.nn.Module, prefetch: int):
     """(model, optimizer) for one version, with the same sharding units."""
     if name == VERSIONS[0]:
         return prepare(model, torch.optim.AdamW, stage=3, units=(Block,), prefetch=prefetch, lr=LR)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.transformer.h:
-        fully_shard(block, mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, reshard_after_forward=True)  # embeddings, final LayerNorm, tied head
+    fsdp2_shard(model, reshard_after_forward=True)  # every block, and the root: the same units
     return model, torch.optim.AdamW(model.parameters(), lr=LR)
-
-
-def max_weight_diff(ours, optimizer, fsdp2: torch.nn.Module) -> float:
-    """Largest |difference| between the two models' weights, over all ranks."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    with optimizer.gathered_parameters():
-        # FSDP2's parameters are DTensors whose local part is this rank's chunk of dim 0.
-        diffs = [(torch.chunk(a.detach(), world_size)[rank] - b.to_local()).abs().max()
-                 for a, b in zip(ours.parameters(), fsdp2.parameters()) if b.to_local().numel()]
-    largest = torch.stack(diffs).max()
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    return largest.item()
 
 
 def train_side_by_side(steps: int, warmup: int, batch_size: int, config: GPTConfig = CONFIG, prefetch: int = 1) -> dict:
     models = {name: build(name, GPT(config, seed=0), prefetch) for name in VERSIONS}
     step_fns = {name: optimizer_step(model, optimizer) for name, (model, optimizer) in models.items()}
     runs = interleaved_steps(step_fns, token_batches(steps, batch_size, config.block_size, config.vocab_size), warmup)
-    result = {"max_weight_diff": max_weight_diff(*models[VERSIONS[0]], models[VERSIONS[1]][0])}
+    (ours, optimizer), (fsdp2, _) = models.values()
+    with optimizer.gathered_parameters():
+        result = {"max_weight_diff": fsdp2_weight_diff(ours.parameters(), fsdp2)}
     for name, run in runs.items():
         result[name] = dict(**ledger_figures(run["ledgers"][-1].summary()), step_ms=run["step_ms"], losses=run["losses"])
     return result
@@ -71,27 +55,14 @@ def compare(ranks: int = 2, steps: int = 12, warmup: int = 3, repeats: int = 3, 
 
 
 def table(result: dict, psi: int, ranks: int) -> str:
-    fsdp2_ms = result[VERSIONS[1]]["step_ms"]
-    three_psi = 3 * (ranks - 1) / ranks * 4 * psi
-    rows = [f"GPT with {psi:,} parameters, {ranks} ranks (CPU, gloo), fp32; 3(N-1)/N * 4 bytes * psi = {three_psi:,.0f} bytes",
-            f"{'version':>20} {'bytes sent':>12} {'/ 3 psi':>8} {'step ms':>8} {'/ FSDP2':>8}  collectives (calls)"]
-    for name in VERSIONS:
-        row = result[name]
-        calls = ", ".join(f"{kind} {calls}" for kind, (calls, _) in sorted(row["collectives"].items()))
-        rows.append(f"{name:>20} {row['sent_bytes']:>12,.0f} {row['sent_bytes'] / three_psi:>8.3f} {row['step_ms']:>8.1f} "
-                    f"{row['step_ms'] / fsdp2_ms:>8.2f}  {calls}")
-    rows.append(f"largest loss difference over {len(result[VERSIONS[0]]['losses'])} steps: {result['max_loss_diff']:.1e}; "
-                f"largest weight difference at the end: {result['max_weight_diff']:.1e}")
-    return "\n".join(rows)
+    return fsdp2_table(result, psi, ranks, VERSIONS, ("3(N-1)/N * 4 bytes * psi", 3))
 
 
 def main() -> None:
-    parser = benchmark_parser(__doc__.split("\n\n")[0])
+    parser = fsdp2_parser(__doc__)
     parser.add_argument("--prefetch", type=int, default=1, help="our prefetch depth (0, 1, 2)")
     args = parser.parse_args()
-    result = compare(args.ranks, args.steps, args.warmup, args.repeats, args.batch_size, prefetch=args.prefetch)
-    print(table(result, GPT(CONFIG).num_params(), args.ranks))
-    print(timing_note(args, {name: result[name]["step_ms_all"] for name in VERSIONS}))
+    fsdp2_sweep(args, compare, table, VERSIONS, prefetch=args.prefetch)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,10 @@ order rotates every step, so machine noise hits all alike).
 
 The measuring loop itself (`interleaved_steps`, with `optimizer_step` and `ledger_figures`)
 and the scripts' command-line options and timing note (`benchmark_parser`, `timing_note`) are
-shared with benchmarks/ddp_vs_torch.py, benchmarks/zero1_vs_torch.py and
-benchmarks/zero2_vs_fsdp2.py (which lessons 03 and 04 load).
+shared with benchmarks/ddp_vs_torch.py and benchmarks/zero1_vs_torch.py; the FSDP2 scripts
+(benchmarks/zero2_vs_fsdp2.py, zero3_vs_fsdp2.py, offload_vs_fsdp2.py, which lessons 04-06
+load) also share FSDP2's set-up, their table and their `--sizes` sweep (`fsdp2_shard`,
+`fsdp2_table`, `fsdp2_parser`, `fsdp2_sweep`).
 
 DeepSpeed versions (ZeRO config options on top of DeepSpeed's defaults):
     "DeepSpeed"             the defaults
@@ -42,6 +44,8 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 import zero_lab
 from zero_lab.data import shard_batch, token_batches
@@ -57,6 +61,13 @@ DEEPSPEED_VERSIONS = {
 }
 ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 CONFIG = GPTConfig()  # the course GPT: 28,544 parameters
+# The FSDP2 scripts' models (--sizes); "0.8M" is their default.
+SIZES = {
+    "0.8M": GPTConfig(vocab_size=256, n_layer=4, n_head=4, n_embd=128, block_size=64),  # 834,304 parameters
+    "3M": GPTConfig(vocab_size=256, n_layer=4, n_head=4, n_embd=256, block_size=64),  # 3,241,472
+    "7M": GPTConfig(vocab_size=256, n_layer=4, n_head=6, n_embd=384, block_size=64),  # 7,221,504
+    "30M": GPTConfig(vocab_size=256, n_layer=6, n_head=10, n_embd=640, block_size=64),  # 29,747,200
+}
 
 
 def deepspeed_available() -> bool:
@@ -293,3 +304,70 @@ def table(comparison: dict) -> str:
         rows.append(f"{stage:>5} {name:>17} {row['sent_bytes']:>11,.0f} {row['sent_bytes'] / formula:>9.3f} "
                     f"{row['step_ms']:>8.1f} {row['time_vs_ours']:>7.2f} {row['max_loss_diff']:>18.1e}  {calls}")
     return "\n".join(rows)
+
+
+def fsdp2_shard(model: torch.nn.Module, **options) -> torch.nn.Module:
+    """FSDP2's `fully_shard(**options)` on every block of the GPT and on the root (the embeddings,
+    the final LayerNorm and the tied head): one all-gather and one reduce-scatter per block."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh, **options)
+    return fully_shard(model, mesh=mesh, **options)
+
+
+def fsdp2_weight_diff(ours, fsdp2: torch.nn.Module) -> float:
+    """Largest |difference| between our whole parameters `ours` and FSDP2's model's, over all ranks."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    # FSDP2's parameters are DTensors whose local part is this rank's chunk of dim 0.
+    diffs = [(torch.chunk(a.detach(), world_size)[rank] - b.to_local()).abs().max()
+             for a, b in zip(ours, fsdp2.parameters()) if b.to_local().numel()]
+    largest = torch.stack(diffs).max()
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return largest.item()
+
+
+def fsdp2_table(result: dict, psi: int, ranks: int, versions, volume: tuple[str, float], notes=()) -> str:
+    """Ours next to FSDP2 (versions[1]): bytes each rank sends per step, their ratio to the paper's
+    volume (name, elements per parameter in units of (N-1)/N), step time and its ratio to FSDP2's."""
+    name_width = max(map(len, versions))
+    volume_name, factor = volume
+    volume_bytes = factor * (ranks - 1) / ranks * 4 * psi
+    rows = [f"GPT with {psi:,} parameters, {ranks} ranks (CPU, gloo), fp32 AdamW; {volume_name} = {volume_bytes:,.0f} bytes",
+            f"{'version':>{name_width}} {'bytes sent':>12} {'/ volume':>8} {'step ms':>8} {'/ FSDP2':>8}  collectives (calls)"]
+    fsdp2_ms = result[versions[1]]["step_ms"]
+    for name in versions:
+        row = result[name]
+        calls = ", ".join(f"{kind} {calls}" for kind, (calls, _) in sorted(row["collectives"].items()))
+        rows.append(f"{name:>{name_width}} {row['sent_bytes']:>12,.0f} {row['sent_bytes'] / volume_bytes:>8.3f} "
+                    f"{row['step_ms']:>8.1f} {row['step_ms'] / fsdp2_ms:>8.2f}  {calls}")
+    differences = f"largest loss difference over {len(result[versions[0]]['losses'])} steps: {result['max_loss_diff']:.1e}"
+    if "max_weight_diff" in result:
+        differences += f"; largest weight difference at the end: {result['max_weight_diff']:.1e}"
+    return "\n".join([*rows, *notes, differences])
+
+
+def fsdp2_parser(doc: str) -> argparse.ArgumentParser:
+    """`benchmark_parser` with --sizes, for the FSDP2 scripts; add the script's own options to it."""
+    parser = benchmark_parser(doc.split("\n\n")[0])
+    parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=["0.8M"],
+                        help="models to compare on, by parameter count (several: a table of the ratios at the end)")
+    return parser
+
+
+def fsdp2_sweep(args: argparse.Namespace, compare, table, versions, **options) -> dict:
+    """Run a script's `compare` at each of args.sizes and print its table; with several sizes, then
+    the step-time ratio ours / FSDP2 per size. Returns {size: result}."""
+    results = {}
+    for size in args.sizes:
+        config = SIZES[size]
+        results[size] = result = compare(args.ranks, args.steps, args.warmup, args.repeats, args.batch_size,
+                                         config=config, **options)
+        print(table(result, GPT(config).num_params(), args.ranks))
+        print(timing_note(args, {name: result[name]["step_ms_all"] for name in versions}), end="\n\n")
+    if len(results) > 1:
+        print(f"{'size':>5} {'parameters':>11} {'ours ms':>8} {'FSDP2 ms':>9} {'ours / FSDP2':>13}   "
+              f"({args.ranks} ranks; load average {', '.join(f'{x:.1f}' for x in os.getloadavg())})")
+        for size, result in results.items():
+            ours, fsdp2 = (result[name]["step_ms"] for name in versions[:2])
+            print(f"{size:>5} {GPT(SIZES[size]).num_params():>11,} {ours:>8.1f} {fsdp2:>9.1f} {ours / fsdp2:>13.2f}")
+    return results
