@@ -38,13 +38,14 @@ def test_export_keeps_solution_code_without_markers(built_repo):
 def test_metadata_follows_directives(built_repo):
     nb = build.read_notebook(built_repo / SOURCE)
     kinds = [c.metadata.get("nbgrader") for c in nb.cells]
-    assert kinds[:3] == [None, None, None]  # markdown, plain code, export without a solution region
-    assert kinds[3] == {"grade": False, "grade_id": "fixture_ops-all_sum", "locked": False,
+    # markdown, "where this lives", plain code, export without a solution region
+    assert kinds[:4] == [None, None, None, None]
+    assert kinds[4] == {"grade": False, "grade_id": "fixture_ops-all_sum", "locked": False,
                         "schema_version": 3, "solution": True, "task": False}
-    assert kinds[4] == {"grade": True, "grade_id": "test_all_sum", "locked": True, "points": 2,
+    assert kinds[5] == {"grade": True, "grade_id": "test_all_sum", "locked": True, "points": 2,
                         "schema_version": 3, "solution": False, "task": False}
-    assert kinds[5]["grade_id"] == "double" and kinds[5]["solution"]
-    assert kinds[6]["grade_id"] == "test_double" and kinds[6]["points"] == 1
+    assert kinds[6]["grade_id"] == "double" and kinds[6]["solution"]
+    assert kinds[7]["grade_id"] == "test_double" and kinds[7]["points"] == 1
 
 
 def test_learner_edition_has_stubs_and_no_hidden_tests(built_repo):
@@ -67,7 +68,7 @@ def test_check_names_each_kind_of_drift(repo):
     module.write_text(module.read_text().replace("dist.all_reduce(tensor)", "pass"))
     source = build.read_notebook(repo / SOURCE)
     source.cells[1].execution_count = 3
-    del source.cells[6].metadata["nbgrader"]
+    del source.cells[7].metadata["nbgrader"]
     nbformat.write(source, repo / SOURCE)
     course = build.read_notebook(repo / COURSE)
     course.cells[1].outputs = [nbformat.v4.new_output("stream", text="hi")]
@@ -79,7 +80,7 @@ def test_check_names_each_kind_of_drift(repo):
 
     assert f"{MODULE}: differs from what the notebooks give; run `zero-lab build`" in problems
     assert f"{SOURCE}: has outputs or execution counts" in problems
-    assert f"{SOURCE}, cell 6: nbgrader metadata does not match its directive" in problems
+    assert f"{SOURCE}, cell 7: nbgrader metadata does not match its directive" in problems
     assert f"{COURSE}: has outputs or execution counts" in problems
     assert f"{COURSE}: contains 'END SOLUTION'" in problems
     assert f"{COURSE}: contains reference solution or hidden test code 'dist.all_reduce(tensor)'" in problems
@@ -89,6 +90,24 @@ def test_check_names_each_kind_of_drift(repo):
         build.build(repo)
     (repo / COURSE).unlink()
     build.build(repo)
+    assert build.check(repo) == []
+
+
+def test_the_first_code_cell_says_where_the_lesson_lives_and_check_keeps_it_current(repo):
+    source = build.read_notebook(repo / SOURCE)
+    first_code = next(c for c in source.cells if c.cell_type == "code")
+    assert first_code.source.splitlines()[1:] == [
+        "# exports          zero_lab.fixture_ops (your `#| export` cells; ZERO_LAB_IMPL=mine imports yours)",
+        "# uses, earlier    no earlier lesson's module",
+        "# uses, lab bench  nothing",  # this repository has no hand-written zero_lab/launcher.py
+        "# prepare reaches  nothing here: no stage of zero_lab.prepare is built from this lesson"]
+    assert first_code.source in build.read_notebook(repo / COURSE).cells[1].source  # the learner sees it too
+    del source.cells[1]  # a new lesson, or one whose cell was deleted
+    nbformat.write(source, repo / SOURCE)
+    assert f"{SOURCE}: its first code cell, \"where this lesson's code lives\", is missing or out of date" in (
+        "\n".join(build.check(repo)))
+    build.build(repo)
+    assert build.read_notebook(repo / SOURCE).cells[1].source == first_code.source
     assert build.check(repo) == []
 
 

@@ -16,6 +16,7 @@ from sharded_training import (ADAMW, SIZES, TINY_GPT, assert_close, bytes_per_st
 import zero_lab
 from zero_lab import launch
 from zero_lab.course_tools.implementation import REPO
+from zero_lab.course_tools import where
 from zero_lab.data import shard_batch
 from zero_lab.memory_ledger import model_state_bytes
 from zero_lab.models import GPT, MLP
@@ -288,7 +289,8 @@ MUTANTS = {
 
 def _graded_cell_with(test_id, old, new):
     """The namespace nbgrader would have (imports, exported cells with one change, test helpers), and the cell."""
-    cells = [c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells if c.cell_type == "code"]
+    cells = [c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells
+             if c.cell_type == "code" and not where.is_where_cell(c)]
     assert sum(s.count(old) for s in cells if s.startswith("#| export")) == 1, "the mutant must replace one solution"
     namespace = {}
     exec(cells[0], namespace)  # the notebook's imports

@@ -24,22 +24,23 @@ if implementation.in_notebook():  # in Jupyter: an unfinished exercise says so i
 
     notebook.install()
 
-_LAZY = {"CommLedger": "zero_lab.comm_ledger", "RankFailed": "zero_lab.launcher", "RanksHung": "zero_lab.launcher",
+# Where each top-level name lives (also read by the lessons' "where this lives" cell).
+TOP_LEVEL = {"CommLedger": "zero_lab.comm_ledger", "RankFailed": "zero_lab.launcher", "RanksHung": "zero_lab.launcher",
          "init_distributed": "zero_lab.launcher", "launch": "zero_lab.launcher", "launch_restored": "zero_lab.launcher",
          "load_checkpoint": "zero_lab.checkpoint", "save_checkpoint": "zero_lab.checkpoint", "prepare": "zero_lab.prepare"}
-__all__ = sorted(_LAZY)
+__all__ = sorted(TOP_LEVEL)
 
 
 def __getattr__(name: str):
-    if name not in _LAZY:
+    if name not in TOP_LEVEL:
         raise AttributeError(f"module 'zero_lab' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
+    value = getattr(importlib.import_module(TOP_LEVEL[name]), name)
     globals()[name] = value  # once: later uses are plain attribute reads
     return value
 
 
 def __dir__():
-    return sorted([*globals(), *_LAZY])
+    return sorted([*globals(), *TOP_LEVEL])
 
 
 class _Package(types.ModuleType):

@@ -3,7 +3,7 @@
     STAGES[1].module, STAGES[1].optimizer   # "zero_lab.zero1", "Zero1Optimizer"
 
 `prepare`, `python -m zero_lab.train --stage`, `zero-lab stages`, docs/stages.md and each
-lesson's "where this lives" cell read it. A new stage is one row here (and its lesson). No
+lesson's "where this lives" cell (`prepare_arguments`) read it. A new stage is one row here (and its lesson). No
 torch here: the command line reads the table without loading it.
 """
 
@@ -44,10 +44,17 @@ STAGES = {
 }
 
 
-def lesson_stages(lesson: str) -> dict[int, Stage]:
-    """The stages whose code a lesson writes (ZeRO-Offload's lesson: those with an offload class)."""
-    return {number: stage for number, stage in STAGES.items()
-            if stage.lesson == lesson or (lesson == OFFLOAD_LESSON and stage.offload)}
+def prepare_arguments(lesson: str) -> list[str]:
+    """How prepare reaches a lesson's code, one entry per stage: 'stage=1 (param_dtype=, max_grad_norm=)'."""
+    def entry(call: str, options) -> str:
+        return call + (f" ({', '.join(f'{name}=' for name in sorted(options))})" if options else "")
+    found = []
+    for number, stage in STAGES.items():
+        if stage.lesson == lesson:
+            found.append(entry(f"stage={number}", stage.options - OFFLOAD_OPTIONS))
+        if stage.offload and lesson == OFFLOAD_LESSON:
+            found.append(entry(f'stage={number}, offload="cpu"', stage.options - {"offload"}))
+    return found
 
 
 def markdown() -> str:

@@ -22,7 +22,7 @@ import nbformat
 from nbgrader.preprocessors import NbGraderPreprocessor
 
 from zero_lab import stages
-from zero_lab.course_tools import questions
+from zero_lab.course_tools import questions, where
 from zero_lab.course_tools.export import (COURSE_DIR, GENERATED_PREFIX, PACKAGE_DIR, REPO, SOLUTION_MARKERS, SOURCE_DIR,
                                           BuildError, Directive, is_generated, module_sources, notebook_text,
                                           parse_directive, read_notebook)
@@ -213,6 +213,9 @@ def render(repo: Path, lessons: list[str]) -> Rendered:
                 raise BuildError(f"{origin} exports {module!r}, but {PACKAGE_DIR}/{module}.py is hand-written")
             if lesson in sources:
                 files[f"{PACKAGE_DIR}/{module}.py"] = code.encode()
+    lesson_of = {module: origin.split("/")[1] for module, origin in exporters.items()}
+    for lesson, nb in sources.items():
+        where.refresh(nb, lesson, lesson_of, repo / PACKAGE_DIR)  # before the learner edition is made from it
     with tempfile.TemporaryDirectory(prefix="zero-lab-build-") as tmp:
         root = Path(tmp)
         make_course(root, repo, sources)
@@ -363,6 +366,10 @@ def check(repo: Path = REPO, names: list[str] | None = None) -> list[str]:
         on_disk = read_notebook(repo / relative)
         if has_outputs(on_disk):
             problems.append(f"{relative}: has outputs or execution counts; {FIX} (it clears them)")
+        if where.current(on_disk) != where.current(expected):
+            problems.append(f"{relative}: its first code cell, \"where this lesson's code lives\", is missing or "
+                            f"out of date; {FIX}")
+            continue  # a missing cell shifts the others
         for index, (cell, want) in enumerate(zip(on_disk.cells, expected.cells)):
             if cell.metadata.get("nbgrader") != want.metadata.get("nbgrader"):
                 problems.append(f"{relative}, cell {index}: nbgrader metadata does not match its directive; {FIX}")
