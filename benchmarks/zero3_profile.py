@@ -1,0 +1,94 @@
+"""Where our ZeRO-3 step spends its time: torch.profiler over a few steps on rank 0.
+
+    python benchmarks/zero3_profile.py [--size 7M] [--ranks 2] [--steps 6] [--warmup 2] [--prefetch 1]
+                                       [--stacks aten::copy_ aten::fill_ torch::autograd::AccumulateGrad]
+
+Trains the GPT of `--size` (benchmarks/zero3_vs_fsdp2.py's sizes and units: one per block) with
+`zero_lab.prepare(..., stage=3)` and profiles the steps after `--warmup` on rank 0 (CPU
+activities, with stacks). Prints the operators by self time — compute (addmm, bmm, softmax...),
+gloo's collectives (the all-gather and reduce-scatter calls, waiting included), copies
+(copy_, cat, narrow), the optimizer (_foreach ops / adamw) — and the share of the profiled wall
+time each takes; time in no operator is Python (hooks, the schedule, the loop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+import zero_lab
+from zero_lab.data import shard_batch, token_batches
+from zero_lab.models import GPT, Block
+from zero_lab.prepare import prepare
+from zero_lab.side_by_side import SIZES
+
+
+def profiled_steps(size: str, steps: int, warmup: int, prefetch: int, batch_size: int, rows: int,
+                   stacks: tuple[str, ...] = ()) -> str | None:
+    config = SIZES[size]
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model, optimizer = prepare(GPT(config, seed=0), torch.optim.AdamW, stage=3, units=(Block,), prefetch=prefetch, lr=1e-3)
+    batches = [shard_batch(batch, rank, world_size)
+               for batch in token_batches(steps, batch_size, config.block_size, config.vocab_size)]
+
+    def step(tokens, targets):
+        _, loss = model(tokens, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for tokens, targets in batches[:warmup]:
+        step(tokens, targets)
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU], with_stack=bool(stacks)) as prof:
+        start = time.perf_counter()
+        for tokens, targets in batches[warmup:]:
+            step(tokens, targets)
+        wall_us = 1e6 * (time.perf_counter() - start)
+    if rank != 0:
+        return None
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    events.sort(key=lambda e: -e.self_cpu_time_total)
+    operator_us = sum(e.self_cpu_time_total for e in events)
+    lines = [f"ZeRO-3, GPT {size} ({GPT(config).num_params():,} parameters), {world_size} ranks, "
+             f"{steps - warmup} profiled steps: {wall_us / 1e3 / (steps - warmup):.0f} ms per step (rank 0)",
+             f"{'operator':>44} {'self ms/step':>13} {'share':>7} {'calls/step':>11}"]
+    for event in events[:rows]:
+        per_step = event.self_cpu_time_total / 1e3 / (steps - warmup)
+        lines.append(f"{event.key[:44]:>44} {per_step:>13.1f} {event.self_cpu_time_total / wall_us:>7.1%} "
+                     f"{event.count / (steps - warmup):>11.0f}")
+    lines.append(f"{'in operators, all':>44} {operator_us / 1e3 / (steps - warmup):>13.1f} {operator_us / wall_us:>7.1%}")
+    lines.append(f"{'outside operators (Python)':>44} {(wall_us - operator_us) / 1e3 / (steps - warmup):>13.1f} "
+                 f"{1 - operator_us / wall_us:>7.1%}")
+    for name in stacks:  # where in our code each of these operators is called from, costliest first
+        by_stack = sorted((e for e in prof.key_averages(group_by_stack_n=6) if e.key == name),
+                          key=lambda e: -e.self_cpu_time_total)
+        for event in by_stack[:4]:
+            ours = [frame for frame in event.stack if "zero_lab" in frame] or event.stack[:2]
+            lines.append(f"{name} {event.self_cpu_time_total / 1e3 / (steps - warmup):.1f} ms/step, "
+                         f"{event.count / (steps - warmup):.0f} calls/step: {' <- '.join(ours[:3])}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=list(SIZES), default="7M")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--prefetch", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--rows", type=int, default=20, help="operators to list")
+    parser.add_argument("--stacks", nargs="*", default=(), metavar="OPERATOR",
+                        help="for these operators (e.g. aten::copy_ aten::fill_), the calls' places in zero_lab")
+    args = parser.parse_args()
+    print(zero_lab.launch(profiled_steps, args.ranks, args.size, args.steps, args.warmup, args.prefetch,
+                          args.batch_size, args.rows, tuple(args.stacks), timeout=600)[0])
+
+
+if __name__ == "__main__":
+    main()
