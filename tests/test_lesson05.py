@@ -137,7 +137,7 @@ def _train_with_checkpoint(stop_after):
         optimizer.load_state_dict(torch.load(buffer))
         train(model, optimizer, batches[stop_after:], corners_loss)
     with optimizer.gathered_parameters():
-        return weights(model), [m.clone() for m in optimizer.masters], optimizer.consolidated_state_dict(dst=0)
+        return weights(model), [unit.master.clone() for unit in optimizer.units], optimizer.consolidated_state_dict(dst=0)
 
 
 def test_bf16_resume_is_bit_identical_and_consolidates():

@@ -90,14 +90,16 @@ def draw_who_holds_what(held: list[dict[str, int]], full: dict[str, int] | None 
     return ax
 
 
-def draw_comm_timeline(ax, rank: int, timeline: dict, collective: str = "all-reduce", message: str = "bucket"):
+def draw_comm_timeline(ax, rank: int, timeline: dict, collective: str = "all-reduce", message: str = "bucket",
+                       span: str = "inside loss.backward()"):
     """One rank's backward pass and its collectives, on the rank's own clock (ms since backward()).
 
     timeline = {"backward_ms": when backward() returned, "events": [(ms, kind, bytes), ...]} with
     kinds "ready" (a gradient is final), "launch" and "done" (a collective started, completed),
     "wait" and "waited" (the rank started and stopped waiting for it); a collective's later
     events are matched to it by its bytes (zero_lab.timeline records them). Each wait is a red
-    bar. Returns (when the last gradient was final, ms spent waiting, summed over the waits).
+    bar; `span` names the grey span from 0 to timeline["backward_ms"]. Returns (when the last
+    gradient was final, ms spent waiting, summed over the waits).
     """
     events, launched = timeline["events"], []
     for t, kind, nbytes in events:
@@ -106,7 +108,7 @@ def draw_comm_timeline(ax, rank: int, timeline: dict, collective: str = "all-red
         elif kind in ("done", "wait", "waited"):  # completions and waits come in launch order
             next(c for c in launched if c["bytes"] == nbytes and kind not in c)[kind] = t
     ready = [t for t, kind, _ in events if kind == "ready"]
-    ax.axvspan(0, timeline["backward_ms"], color="0.93", label="inside loss.backward()")
+    ax.axvspan(0, timeline["backward_ms"], color="0.93", label=span)
     ax.plot(ready, [-1] * len(ready), "|", color="k", markersize=12, label="a gradient is final (compute)")
     for i, c in enumerate(launched):
         ax.barh(i, c["done"] - c["launch"], left=c["launch"], height=0.6, color="tab:blue",

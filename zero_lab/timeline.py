@@ -16,7 +16,7 @@ callback on its future, on gloo's thread; a blocking collective is done when it 
 reduce-scatter of unequal pieces has no future, and is marked done when its wait() returns, an
 upper bound), "wait" and "waited" around the wait() of an asynchronous one, or around the whole
 call of a blocking one (the rank waits for all of it). Hand-written, not exported from a lesson:
-lessons 02 (DDP) and 04 (ZeRO-2) record their buckets with it.
+lessons 02 (DDP) and 04 (ZeRO-2) record their buckets with it, lesson 05 (ZeRO-3) its units.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ MESSAGE_BYTES = {
     "all_reduce": lambda tensor, *_: tensor.numel() * tensor.element_size(),
     "reduce_scatter": lambda output, inputs, *_: sum(t.numel() * t.element_size() for t in inputs),
     "reduce_scatter_single": lambda output, input, *_: input.numel() * input.element_size(),
+    "all_gather_single": lambda output, input, *_: output.numel() * output.element_size(),
 }
 
 

@@ -2,14 +2,19 @@
 
 """ZeRO stage 3 (P_os+g+p): parameters, gradients and optimizer states all partitioned.
 
-Unit                  one sharding unit: the parameters a module owns, in one flat padded buffer
+Unit                  one sharding unit: its flat padded buffer, shard, fp32 master, gradient shard
 sharding_units        which module owns which parameter: bottom-up, tied weights to their first owner
 gather_unit           give the flat buffer its storage back and all-gather every rank's shard into it
 free_unit             release the gathered buffer for real (storage resized to 0)
 RegatherForBackward   an identity on a module's outputs whose backward gathers the module's units again
 reduce_scatter_unit   the mean gradient of this rank's shard of a unit, added into its gradient shard
 prefetch_plan         which units to start gathering now, by the recorded execution order
-Zero3Optimizer        the hooks that run all of the above, the step on the shards, checkpoints
+ExecutionOrder        the order of calls, recorded in the first step and checked on every rank after
+UnitSchedule          the hooks that gather, free, re-gather and reduce-scatter each unit (extension
+                      points all_gather, release, reduce_scatter: lessons 09 and 10 plug in there)
+build_unit            shard one unit's weights: shard, master, gradient shard, one slice per parameter
+ShardedModelState     leaving stage 3: gathered parameters, model state dicts, checkpoints
+Zero3Optimizer        the slim optimizer: builds the units and the schedule, steps the shards
 
 Every rank keeps only its shard of every unit (2 Psi / Nd bytes of bf16 parameters), of the
 gradients (2 Psi / Nd) and of the fp32 masters and Adam states (12 Psi / Nd): 16 Psi / Nd bytes with
@@ -23,6 +28,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -32,27 +38,65 @@ from zero_lab.optim import OptimizerOverCopies, hold_gradients
 from zero_lab.zero1 import MASTER_DTYPE, ShardLayout, clip_grad_norm_, gather_shards, param_groups_of, param_views
 
 
+class ShardSlice(NamedTuple):
+    """A trainable parameter's elements in this rank's shard: the inner optimizer's tensor for it."""
+
+    param: torch.nn.Parameter
+    master: torch.Tensor  # a view of the unit's fp32 master (empty if the shard holds none of the parameter)
+    shard_offset: int  # where it starts in the shard
+    param_offset: int  # where it starts in the flattened parameter
+
+
 @dataclass(eq=False)
 class Unit:
     """One sharding unit: the parameters one module owns, laid out in one flat padded buffer.
 
-    flat is the whole padded buffer in the compute dtype and the parameters are views into it;
-    when the unit is not gathered, its storage has size 0 (the views keep their shapes). shard
-    is this rank's part of it, the only copy of the unit's weights the rank always holds.
+    flat is the whole padded buffer in the compute dtype; while the unit is gathered the
+    parameters are views into it, otherwise its storage has size 0 and the parameters are empty
+    tensors. shard is this rank's part of it, the only copy of the unit's weights the rank always
+    holds. The optimizer fills in the rest of the unit's state (master, grad_shard, slices).
     """
 
     name: str  # the owning module's name ("" for the root)
-    params: list[torch.nn.Parameter]  # in flat-buffer order: trainable (by param group), then frozen
+    params: list[torch.nn.Parameter]  # in flat-buffer order
     layout: ShardLayout
     flat: torch.Tensor
     shard: torch.Tensor
+    master: torch.Tensor | None = None  # fp32 copy of the shard (the shard itself in fp32)
+    grad_shard: torch.Tensor | None = None  # this rank's part of the mean gradient (None: nothing trainable)
+    slices: list[ShardSlice] = field(default_factory=list)  # one per trainable parameter
     work: dist.Work | None = None  # the all-gather in flight, if it was started asynchronously
     holders: int = 0  # module calls of the forward pass that are using the gathered unit
-    ready: set = field(default_factory=set)  # trainable parameters whose gradient is final
+    ready: set = field(default_factory=set)  # trainable parameters whose gradient is final in this backward
+    had_grad: set = field(default_factory=set)  # trainable parameters that got a gradient since zero_grad
+    shapes: list[torch.Size] = field(init=False)
+
+    def __post_init__(self):
+        self.shapes = [p.shape for p in self.params]
 
     def is_gathered(self) -> bool:
         """True from the start of its all-gather until it is freed."""
         return self.flat.untyped_storage().nbytes() > 0
+
+    def show_params(self) -> None:
+        """Make every parameter a view into flat with its own shape (after flat got its storage)."""
+        for p, view in zip(self.params, self.views_of(self.flat)):
+            p.data = view  # .data: the parameter keeps its identity, hooks and version counter
+
+    def hide_params(self) -> None:
+        """Make every parameter an honest empty tensor (shape (0,)), so that reading it between
+        steps gives nothing instead of touching freed memory (DeepSpeed shows its partitioned
+        parameters the same way)."""
+        for p in self.params:
+            p.data = self.flat[:0]
+
+    def views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views into a buffer laid out like flat, with the parameters' shapes."""
+        views, offset = [], 0
+        for shape in self.shapes:
+            views.append(flat[offset:offset + shape.numel()].view(shape))
+            offset += shape.numel()
+        return views
 
 
 def sharding_units(model: torch.nn.Module, is_unit: Callable[[torch.nn.Module], bool]) -> list[tuple]:
@@ -226,11 +270,457 @@ def init_model(model: torch.nn.Module, init_fn: Callable[[str, torch.Tensor], No
     return model
 
 
-class Zero3Optimizer(OptimizerOverCopies):
+class ExecutionOrder:
+    """The order of calls of the forward and the backward pass, the same on every rank.
+
+    In the first step (or the first after invalidate()) each call is recorded and announced to
+    the other ranks (a tiny all-gather, before the call's own collectives): a rank on another
+    path is caught at once. From the next step on, each call is checked against the record.
+    """
+
+    PHASES = ("forward", "backward")
+
+    def __init__(self, call_names: list[str], device: torch.device):
+        self.call_names, self.device = call_names, device
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.invalidate()
+
+    def invalidate(self) -> None:
+        """Forget the record: the next step records the order again."""
+        self.recorded = dict.fromkeys(self.PHASES)  # phase -> list of call indices, None until recorded
+        self.recording = {phase: [] for phase in self.PHASES}
+        self.position = dict.fromkeys(self.PHASES, -1)  # index of the current call in the pass
+
+    def start_forward(self) -> None:
+        self.position["forward"] = -1
+        if self.recorded["forward"] is None:
+            self.recording = {phase: [] for phase in self.PHASES}
+
+    def end_backward(self) -> None:
+        """After the first step, its order (checked call by call on every rank) is the record."""
+        if self.recorded["forward"] is None:
+            self.recorded = {phase: list(calls) for phase, calls in self.recording.items()}
+        self.position = dict.fromkeys(self.PHASES, -1)
+
+    def follow(self, phase: str, index: int) -> None:
+        """Record call `index`, or check it against the record."""
+        position = self.position[phase] = self.position[phase] + 1
+        order = self.recorded[phase]
+        if order is None:
+            self.recording[phase].append(index)
+            self._check_same_call(phase, position, index)
+        elif position >= len(order) or order[position] != index:
+            expected = f"'{self.call_names[order[position]]}'" if position < len(order) else "no call (it had ended)"
+            raise RuntimeError(
+                f"rank {self.rank}: call {position} of the {phase} pass is unit '{self.call_names[index]}', but the "
+                f"execution order recorded in the first step (the same on every rank) has {expected} there. Every "
+                "rank must run the same units in the same order, or the all-gathers no longer match and the ranks "
+                "hang. If the order changed on purpose on every rank, call optimizer.invalidate_order() on every "
+                "rank before that step: it is recorded again, without prefetching.")
+
+    def _check_same_call(self, phase, position, index):
+        mine = torch.tensor([self.PHASES.index(phase), position, index], device=self.device)
+        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(everyone, mine)
+        if any(not torch.equal(theirs, mine) for theirs in everyone):
+            calls = "; ".join(f"rank {rank}: {self.PHASES[b]} call {k} '{self.call_names[i]}'"
+                              for rank, (b, k, i) in enumerate(t.tolist() for t in everyone))
+            raise RuntimeError(f"rank {self.rank}: the ranks ran different units in the first step ({calls}). Every "
+                               "rank must run the same units in the same order, or their all-gathers do not match.")
+
+
+class UnitSchedule:
+    """When each unit is gathered, freed and reduced: module hooks that follow the recorded order.
+
+    units are the model's Units; calls[i] = (module name, module, indices of the units it needs):
+    every unit module, and every module that uses another unit (a tied head), is a call.
+
+    Extension points (override in a subclass; lessons 09 and 10 plug in here):
+      all_gather(unit, phase, async_op)  fill unit.flat with the whole unit from the shards; return
+                                         the handle if async_op (its wait() must leave flat complete)
+      release(unit, phase)               drop the gathered unit's memory
+      reduce_scatter(unit)               add this rank's shard of the mean gradient into unit.grad_shard
+    phase is "forward", "backward", "end" (after backward) or "outside" (gathered_parameters, state dicts).
+    """
+
+    def __init__(self, model, units: list[Unit], calls: list[tuple], *, prefetch: int = 1,
+                 max_live_numel: int | None = None, reshard_last: bool = True):
+        self.units, self.calls = units, calls
+        self.prefetch, self.max_live_numel, self.reshard_last = prefetch, max_live_numel, reshard_last
+        self.order = ExecutionOrder([name for name, _, _ in calls], units[0].flat.device)
+        self.unit_of = {p: unit for unit in units for p in unit.params}
+        self.trace = None  # a list to record (phase, action, unit name, gathered elements) over time
+        self.reduced = set()  # units reduce-scattered in this backward pass
+        self.backward_started = False
+        self.handles = [model.register_forward_pre_hook(self._start_forward, prepend=True)]
+        for index, (_, module, _) in enumerate(calls):
+            self.handles.append(module.register_forward_pre_hook(partial(self._pre_forward, index)))
+            self.handles.append(module.register_forward_hook(partial(self._post_forward, index)))
+        for p in self.unit_of:
+            if p.requires_grad:
+                self.handles.append(p.register_post_accumulate_grad_hook(self._gradient_arrived))
+
+    # ---- extension points
+    def all_gather(self, unit: Unit, phase: str, async_op: bool = False) -> dist.Work | None:
+        return gather_unit(unit, async_op=async_op)
+
+    def release(self, unit: Unit, phase: str) -> None:
+        free_unit(unit)
+
+    def reduce_scatter(self, unit: Unit) -> None:
+        reduce_scatter_unit(unit, unit.grad_shard)
+
+    # ---- gathering and freeing one unit
+    def gather(self, unit: Unit, phase: str, async_op: bool = False) -> dist.Work | None:
+        """Gather the unit (now, or started with async_op) and make its parameters views into it."""
+        work = self.all_gather(unit, phase, async_op)
+        unit.show_params()
+        self._log(phase, "prefetch" if async_op else "gather", unit)
+        return work
+
+    def free(self, unit: Unit, phase: str) -> None:
+        if unit.work is not None:
+            unit.work.wait()
+            unit.work = None
+        unit.hide_params()
+        self.release(unit, phase)
+        self._log(phase, "free", unit)
+
+    def _acquire(self, index, phase):
+        unit = self.units[index]
+        if unit.work is not None:  # prefetched: the all-gather was started earlier
+            unit.work.wait()
+            unit.work = None
+        elif not unit.is_gathered():
+            self.gather(unit, phase)
+
+    def gathered_numel(self) -> int:
+        """Elements of gathered (or being gathered) units on this rank right now."""
+        return sum(unit.flat.numel() for unit in self.units if unit.is_gathered())
+
+    def _log(self, phase, action, unit):
+        if self.trace is not None:
+            self.trace.append((phase, action, unit.name, self.gathered_numel()))
+
+    # ---- the hooks
+    def _start_forward(self, module, args):
+        self.release_all()  # units a previous forward prefetched or kept, if no backward came
+        self.order.start_forward()
+
+    def _prefetch(self, phase):
+        """Start the all-gathers that prefetch_plan asks for at the current position of the recorded
+        order of `phase`, asynchronously (keep each handle in unit.work). Nothing while the order is
+        being recorded, nor with prefetch=0."""
+        order = self.order.recorded[phase]
+        if order is None or not self.prefetch:
+            return  # nothing is prefetched before the order is known
+        needs = [self.calls[index][2] for index in order]
+        resident = {i for i, unit in enumerate(self.units) if unit.is_gathered()}
+        numels = [unit.flat.numel() for unit in self.units]
+        for index in prefetch_plan(needs, self.order.position[phase], self.prefetch, resident, numels,
+                                   self.gathered_numel(), self.max_live_numel):
+            self.units[index].work = self.gather(self.units[index], phase, async_op=True)
+
+    def _pre_forward(self, index, module, args):
+        """Forward pre-hook of call `index`: follow the order, make sure each unit the call needs is
+        gathered (_acquire) and count the call among its holders, then prefetch."""
+        self.order.follow("forward", index)
+        for unit in self.calls[index][2]:
+            self._acquire(unit, "forward")
+            self.units[unit].holders += 1
+        self._prefetch("forward")
+
+    def _post_forward(self, index, module, args, output):
+        """Forward hook of call `index`: release its units, freeing each one no call holds any more
+        (with reshard_last=False, nothing from the last call of the recorded forward on). With
+        grad enabled, return the outputs passed through RegatherForBackward, so that
+        _pre_backward(index) runs before this call's backward."""
+        order = self.order.recorded["forward"]
+        keep = not self.reshard_last and order is not None and self.order.position["forward"] == len(order) - 1
+        for unit in map(self.units.__getitem__, self.calls[index][2]):
+            unit.holders -= 1
+            if unit.holders == 0 and not keep:
+                self.free(unit, "forward")
+        if not torch.is_grad_enabled():
+            return output
+        return regather_before_backward(output, partial(self._pre_backward, index))
+
+    def _pre_backward(self, index):
+        """Runs just before call `index`'s backward. On the first call of a backward pass, queue
+        _finish_backward with the autograd engine; then follow the order, acquire the units the
+        call needs (gathered until their gradients are reduced) and prefetch."""
+        if not self.backward_started:
+            self.backward_started = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self.order.follow("backward", index)
+        for unit in self.calls[index][2]:
+            self._acquire(unit, "backward")
+        self._prefetch("backward")
+
+    def _gradient_arrived(self, param):
+        param_unit = self.unit_of[param]
+        param_unit.had_grad.add(param)  # the step updates only parameters that got a gradient
+        self._on_gradient_ready(param)
+
+    def _on_gradient_ready(self, param):
+        """Post-accumulate-grad hook: once every trainable parameter of the unit has its gradient
+        for this backward pass, reduce the unit."""
+        unit = self.unit_of[param]
+        unit.ready.add(param)
+        if len(unit.ready) == len(unit.slices):
+            self._reduce(unit)
+
+    def _reduce(self, unit):
+        """Reduce-scatter the unit's gradients into its gradient shard (self.reduce_scatter),
+        remember that it was reduced in this backward pass, and free it unless a forward call
+        still holds it."""
+        self.reduce_scatter(unit)
+        unit.ready.clear()
+        self.reduced.add(unit)
+        if unit.holders == 0 and unit.is_gathered():
+            self.free(unit, "backward")
+
+    def release_all(self):
+        for unit in self.units:
+            unit.holders = 0
+            if unit.is_gathered():
+                self.free(unit, "end")
+
+    def _finish_backward(self):
+        """Runs when backward ends: reduce what backward never reached (zeros: every rank must
+        take part; its parameters got no gradient, so the step leaves them alone), free
+        everything, and after the first step keep its order as the record."""
+        for unit in self.units:
+            if unit.grad_shard is not None and unit not in self.reduced:
+                self._reduce(unit)
+        self.release_all()
+        self.reduced.clear()
+        self.order.end_backward()
+        self.backward_started = False
+
+
+@torch.no_grad()
+def build_unit(name: str, params: list[torch.nn.Parameter], names: dict, param_dtype: torch.dtype | None,
+               init_fn: Callable[[str, torch.Tensor], None] | None) -> Unit:
+    """Shard one unit: its full fp32 weights (rank 0's, broadcast, or made by init_fn for meta
+    parameters) exist only inside this call; the Unit keeps this rank's shard, its fp32 master,
+    a gradient shard and one ShardSlice per trainable parameter. Meta parameters are replaced by
+    new ones in unit.params (the caller puts those into the modules)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    layout = ShardLayout(sum(p.numel() for p in params), world_size)
+    on_meta = any(p.device.type == "meta" for p in params)
+    device = params[0].device if not on_meta else (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    full = torch.zeros(layout.padded_numel, dtype=MASTER_DTYPE, device=device)  # one unit at a time
+    for p, view in zip(params, param_views(full, params)):
+        if p.device.type != "meta":
+            view.copy_(p.detach())
+        elif init_fn is not None:
+            init_fn(names[p], view)
+        else:
+            raise ValueError(f"{names[p]} is on the meta device: pass init_fn to make its weights")
+    if not on_meta:
+        dist.broadcast(full, src=0)  # every rank starts from rank 0's weights, as in DDP
+    start, stop = layout.shard(rank)
+    master = full[start:stop].clone()
+    compute_dtype = param_dtype or params[0].dtype
+    shard = master if compute_dtype == MASTER_DTYPE else master.to(compute_dtype)
+    flat = torch.empty(layout.padded_numel, dtype=compute_dtype, device=device)
+    params = [p if p.device.type != "meta" else  # a meta tensor cannot take data: a new parameter replaces it
+              torch.nn.Parameter(torch.empty(p.shape, dtype=compute_dtype, device=device), requires_grad=p.requires_grad)
+              for p in params]
+    unit = Unit(name, params, layout, flat, shard, master=master)
+    offset = 0
+    for p in params:
+        if p.requires_grad:  # the parameter's elements [offset, offset + numel) that fall in [start, stop)
+            lo, hi = min(max(offset, start), stop), min(max(offset + p.numel(), start), stop)
+            unit.slices.append(ShardSlice(p, master[lo - start:hi - start], lo - start, lo - offset))
+        offset += p.numel()
+    unit.grad_shard = torch.zeros_like(shard) if unit.slices else None
+    unit.hide_params()
+    flat.untyped_storage().resize_(0)  # not gathered until a hook needs it
+    return unit
+
+
+class ShardedModelState:
+    """Leaving stage 3 (a part of Zero3Optimizer): gathered parameters, the model's own state dict
+    and load_state_dict, sharded checkpoints and a consolidated one. Every rank must call each of
+    them (they all-gather), as with FSDP's full state dict."""
+
+    @contextmanager
+    def gathered_parameters(self, params=None, modifier_rank: int | None = None):
+        """Inside, the units of `params` (default: all) are gathered on every rank (call it on every
+        rank). With modifier_rank, what that rank wrote into them is broadcast and becomes the new
+        shards and fp32 masters on exit; otherwise changes are dropped."""
+        wanted = {self.schedule.unit_of[p] for p in params} if params is not None else set(self.units)
+        units = [unit for unit in self.units if unit in wanted]
+        for unit in units:
+            if not unit.is_gathered():
+                self.schedule.gather(unit, "outside")
+        try:
+            yield
+        finally:
+            for unit in units:
+                if modifier_rank is not None:
+                    dist.broadcast(unit.flat, src=modifier_rank)
+                    self._write_through(unit, unit.flat)
+                self.schedule.free(unit, "outside")
+
+    @torch.no_grad()
+    def _write_through(self, unit: Unit, full: torch.Tensor) -> None:
+        """Make this rank's part of `full` (the whole unit) its new fp32 master and shard."""
+        start, stop = unit.layout.shard(self.rank)
+        unit.master.copy_(full[start:stop])
+        if unit.shard is not unit.master:
+            unit.shard.copy_(unit.master)
+
+    @torch.no_grad()
+    def _full_masters(self, unit: Unit) -> list[torch.Tensor]:
+        """The unit's whole fp32 weights, one tensor of its own per parameter (an all-gather)."""
+        full = unit.master.new_empty(unit.layout.padded_numel)
+        dist.all_gather_single(full, unit.master)
+        return [view.clone() for view in unit.views_of(full)]
+
+    def _model_state_hooks(self) -> list:
+        """model.state_dict() gives whole fp32 tensors; model.load_state_dict() writes through to
+        the shards and masters (optimizer states stay, as with torch)."""
+        loading = []
+
+        def full_state(module, state, prefix, local_metadata):
+            values = {p: value for unit in self.units for p, value in zip(unit.params, self._full_masters(unit))}
+            for name, p in module.named_parameters(remove_duplicate=False):
+                if prefix + name in state:
+                    state[prefix + name] = values[p]  # tied names: the same tensor
+
+        def gather_before_load(module, state, prefix, *args):
+            loading.append((state, prefix))
+            for unit in self.units:
+                self.schedule.gather(unit, "outside")
+
+        def write_after_load(module, incompatible_keys):
+            state, prefix = loading.pop()
+            loaded = {p: state[prefix + name] for name, p in module.named_parameters(remove_duplicate=False)
+                      if prefix + name in state}
+            for unit in self.units:
+                full = unit.flat.to(MASTER_DTYPE)  # what load_state_dict left there (kept where not given)
+                for p, view in zip(unit.params, unit.views_of(full)):
+                    if p in loaded and loaded[p].shape == view.shape:  # a wrong shape: torch names it
+                        view.copy_(loaded[p])  # in fp32, not rounded through the compute dtype
+                self._write_through(unit, full)
+                self.schedule.free(unit, "outside")
+
+        return [self.model.register_state_dict_post_hook(full_state),
+                self.model.register_load_state_dict_pre_hook(gather_before_load),
+                self.model.register_load_state_dict_post_hook(write_after_load)]
+
+    @torch.no_grad()
+    def unshard_model(self) -> None:
+        """Give every parameter its whole fp32 weights back, in storage of its own (every rank calls
+        it; the hooks are removed first, through hook_handles). The optimizer is unusable after."""
+        for handle in self.hook_handles:
+            handle.remove()
+        for unit in self.units:
+            for p, value in zip(unit.params, self._full_masters(unit)):
+                p.data = value
+
+    def state_dict(self) -> dict:
+        """This rank's shard of the training state (fp32 masters, which include frozen parameters,
+        and the optimizer's states): save one file per rank, with the same world size to resume."""
+        return {"stage": self.stage, "rank": self.rank, "world_size": self.world_size,
+                "numels": [unit.layout.numel for unit in self.units],
+                "masters": [unit.master.clone() for unit in self.units], "optimizer": self.optimizer.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Load this rank's shard, or the "optimizer" part of a consolidated_state_dict() at any
+        world size (then load its "model" part with model.load_state_dict)."""
+        if "stage" not in state and {"state", "param_groups"} <= set(state):
+            return self._load_consolidated(state)
+        numels = [unit.layout.numel for unit in self.units]
+        if (state.get("stage"), state.get("world_size"), state.get("numels")) != (self.stage, self.world_size, numels):
+            raise ValueError(
+                f"this checkpoint is a stage {state.get('stage')} one sharded for {state.get('world_size')} ranks and "
+                f"units of {state.get('numels')} elements, not stage 3 on {self.world_size} ranks and {numels}: resume "
+                "with the same setup, or load a consolidated_state_dict() (model.load_state_dict(full['model']), "
+                "optimizer.load_state_dict(full['optimizer'])) into any setup")
+        if state["rank"] != self.rank:
+            raise ValueError(f"rank {self.rank} was given rank {state['rank']}'s shard: load each rank's own file")
+        self.optimizer.load_state_dict(state["optimizer"])
+        for unit, saved in zip(self.units, state["masters"]):
+            unit.master.copy_(saved)
+            if unit.shard is not unit.master:
+                unit.shard.copy_(unit.master)
+
+    def _load_consolidated(self, state: dict) -> None:
+        """Cut each parameter's saved state (numbered as over the unsharded parameters, which the
+        inner optimizer's tensors follow one to one) down to this rank's slice of it."""
+        slice_of = {s.param: s for unit in self.units for s in unit.slices}
+        params = [p for group in self.group_params for p in group]
+        if len(params) != sum(len(g["params"]) for g in state["param_groups"]):
+            raise ValueError(f"this optimizer state is for {sum(len(g['params']) for g in state['param_groups'])} "
+                             f"parameters, this optimizer trains {len(params)}: load it into the same model")
+        shards = {}
+        for index, saved in state["state"].items():
+            piece = slice_of[params[int(index)]]
+            shards[index] = {key: value.reshape(-1)[piece.param_offset:piece.param_offset + piece.master.numel()].clone()
+                             if torch.is_tensor(value) and value.dim() else value for key, value in saved.items()}
+        self.optimizer.load_state_dict({"state": shards, "param_groups": state["param_groups"]})
+
+    @torch.no_grad()
+    def consolidated_state_dict(self, dst: int = 0) -> dict | None:
+        """The full fp32 training state on rank `dst` (None elsewhere); every rank must call it.
+
+        {"model": an ordinary model state_dict (padding removed, tied names sharing one tensor),
+        "optimizer": the state_dict of the same torch optimizer over the unsharded parameters}.
+        """
+        values, states = {}, {}
+        for unit in self.units:
+            shard_states = {}
+            for piece in unit.slices:
+                for key, value in self.optimizer.state.get(piece.master, {}).items():
+                    if value.dim() == 0:
+                        states.setdefault(piece.param, {})[key] = value.clone()
+                    else:
+                        shard_states.setdefault(key, torch.zeros_like(unit.master))[
+                            piece.shard_offset:piece.shard_offset + piece.master.numel()] = value
+            gathered = {key: gather_shards(t, dst) for key, t in {"master": unit.master, **shard_states}.items()}
+            if self.rank != dst:
+                continue
+            for key, full in gathered.items():
+                for p, piece in zip(unit.params, unit.views_of(full)):
+                    if key == "master":
+                        values[p] = piece.clone()
+                    elif p in states:  # a parameter that was never stepped has no state
+                        states[p][key] = piece.clone()
+        if self.rank != dst:
+            return None
+        model_state = {name: b.float() if b.is_floating_point() else b.clone()
+                       for name, b in persistent_buffers(self.model)}  # not model.state_dict(): that one gathers
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            model_state[name] = values[p]  # tied names: the same tensor
+        index = iter(range(sum(len(params) for params in self.group_params)))
+        groups, state = [], {}
+        for params, options in zip(self.group_params, self.param_groups):
+            numbers = [next(index) for _ in params]
+            state.update((i, states[p]) for i, p in zip(numbers, params) if p in states)
+            groups.append({**{k: v for k, v in options.items() if k != "params"}, "params": numbers})
+        return {"model": model_state, "optimizer": {"state": state, "param_groups": groups}}
+
+
+def persistent_buffers(model: torch.nn.Module):
+    """(name, buffer) for the buffers that model.state_dict() holds."""
+    for module_name, module in model.named_modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                yield f"{module_name}.{name}" if module_name else name, buffer
+
+
+class Zero3Optimizer(ShardedModelState, OptimizerOverCopies):
     """ZeRO stage 3 around an element-wise torch optimizer (AdamW by default).
 
-    Shards the model in place: every parameter becomes a view into its unit's flat buffer, which
-    holds data only while a forward or backward pass needs it. The ordinary loop works:
+    Shards the model in place: every parameter's weights live in its unit, gathered only while a
+    forward or backward pass needs them (between steps a parameter is an empty tensor: use
+    gathered_parameters() to look at it). The ordinary loop works:
     `loss = f(model(x)); loss.backward(); optimizer.step(); optimizer.zero_grad()`.
 
     params          tensors or param-group dicts, as for torch.optim (default: model.parameters());
@@ -248,292 +738,109 @@ class Zero3Optimizer(OptimizerOverCopies):
     """
 
     stage = 3
+    schedule_class = UnitSchedule  # a subclass may bring its own (lesson 09's ZeRO++)
 
     def __init__(self, model, optimizer_class=torch.optim.AdamW, params=None, *, param_dtype=None, max_grad_norm=None,
                  units=None, prefetch: int = 1, max_live_numel: int | None = None, reshard_last: bool = True,
                  init_fn=None, **defaults):
         if prefetch not in (0, 1, 2):
             raise ValueError(f"prefetch is how many calls ahead to gather: 0, 1 or 2, got {prefetch!r}")
-        self.model, self.max_grad_norm, self.prefetch = model, max_grad_norm, prefetch
-        self.max_live_numel, self.reshard_last = max_live_numel, reshard_last
+        self.model, self.max_grad_norm, self.last_grad_norm = model, max_grad_norm, None
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if isinstance(units, tuple):
             units = partial(lambda classes, module: isinstance(module, classes), units)
         groups = param_groups_of(model, params)
         self.group_params = [[p for p in g.pop("params") if p.requires_grad] for g in groups]  # frozen: left out
-        group_of = {p: index for index, params in enumerate(self.group_params) for p in params}
-        self._check_params(model, group_of)
-        self.names = {p: name for name, p in model.named_parameters()}
-        self.units, self.calls, self.masters, self.grad_shards, self.views = [], [], [], [], []
-        inner_params, unit_index = [[] for _ in groups], {}
+        self._check_params(model)
+        names = {p: name for name, p in model.named_parameters()}
+        self.units, calls, unit_index = [], [], {}
         for name, module, owned, uses in sharding_units(model, units or default_is_unit):
             if owned:
                 unit_index[name] = len(self.units)
-                self._add_unit(name, owned, group_of, param_dtype, init_fn, inner_params)
+                self.units.append(build_unit(name, owned, names, param_dtype, init_fn))
+                for old, new in zip(owned, self.units[-1].params):
+                    if new is not old:
+                        self._replace_parameter(old, new)
             needs = ([unit_index[name]] if owned else []) + [unit_index[owner] for owner in uses]
             if needs:
-                self.calls.append((name, module, needs))
-        for module in model.modules():
-            for buffer_name, buffer in module.named_buffers(recurse=False):
-                if buffer.device.type == "meta":
-                    raise ValueError(f"buffer {buffer_name} of {type(module).__name__} is on the meta device: build "
-                                     "the model inside zero_lab.zero3.meta_parameters(), which makes buffers as usual")
-                if param_dtype is not None and buffer.is_floating_point():
-                    buffer.data = buffer.data.to(param_dtype)
-        super().__init__(optimizer_class([{**g, "params": p} for g, p in zip(groups, inner_params)], **defaults))
-        self.unit_of = {p: unit for unit in self.units for p in unit.params}
-        self.trainable = [sum(p.requires_grad for p in unit.params) for unit in self.units]
-        self.hook_handles = [model.register_forward_pre_hook(self._start_forward, prepend=True)]
-        for index, (_, module, _) in enumerate(self.calls):
-            self.hook_handles.append(module.register_forward_pre_hook(partial(self._pre_forward, index)))
-            self.hook_handles.append(module.register_forward_hook(partial(self._post_forward, index)))
-        for p in self.unit_of:
+                calls.append((name, module, needs))
+        self._cast_buffers(param_dtype)
+        master_of = {piece.param: piece.master for unit in self.units for piece in unit.slices}
+        super().__init__(optimizer_class([{**g, "params": [master_of[p] for p in params]}
+                                          for g, params in zip(groups, self.group_params)], **defaults))
+        self.schedule = self.schedule_class(model, self.units, calls, prefetch=prefetch,
+                                            max_live_numel=max_live_numel, reshard_last=reshard_last)
+        self.hook_handles = self.schedule.handles + self._model_state_hooks()
+        for p in self.schedule.unit_of:
             p.grad = None
-            if p.requires_grad:
-                self.hook_handles.append(p.register_post_accumulate_grad_hook(self._on_gradient_ready))
-        hold_gradients(self, self.unit_of)  # torch.nn.utils.clip_grad_norm_(model.parameters()) clips the shards
-        self.last_grad_norm, self.trace = None, None  # trace: a list to record gathered elements over time
-        self.number = {unit: i for i, unit in enumerate(self.units)}
-        self.reduced = set()  # units reduce-scattered in this backward pass
-        self.invalidate_order()
+        hold_gradients(self, self.schedule.unit_of)  # torch.nn.utils.clip_grad_norm_(model.parameters()) clips the shards
 
-    @staticmethod
-    def _check_params(model, group_of):
+    def _check_params(self, model):
+        grouped = {p for params in self.group_params for p in params}
         for name, p in model.named_parameters():
-            if p.requires_grad and p not in group_of:
+            if p.requires_grad and p not in grouped:
                 raise ValueError(f"{name} is trainable but in no param group: stage 3 shards every parameter; "
                                  "add it to a group, or freeze it with requires_grad_(False)")
-
-    def _add_unit(self, name, owned, group_of, param_dtype, init_fn, inner_params):
-        trainable = sorted((p for p in owned if p.requires_grad), key=lambda p: group_of[p])
-        params = trainable + [p for p in owned if not p.requires_grad]
-        layout = ShardLayout(sum(p.numel() for p in params), self.world_size)
-        on_meta = any(p.device.type == "meta" for p in params)
-        device = params[0].device if not on_meta else (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
-        full = torch.zeros(layout.padded_numel, dtype=MASTER_DTYPE, device=device)  # one unit at a time
-        for p, view in zip(params, param_views(full, params)):
-            if p.device.type != "meta":
-                view.copy_(p.detach())
-            elif init_fn is not None:
-                init_fn(self.names[p], view)
-            else:
-                raise ValueError(f"{self.names[p]} is on the meta device: pass init_fn to make its weights")
-        if not on_meta:
-            dist.broadcast(full, src=0)  # every rank starts from rank 0's weights, as in DDP
-        start, stop = layout.shard(self.rank)
-        master = full[start:stop].clone()
-        compute_dtype = param_dtype or params[0].dtype
-        shard = master if compute_dtype == MASTER_DTYPE else master.to(compute_dtype)
-        flat = torch.empty(layout.padded_numel, dtype=compute_dtype, device=device)
-        for i, view in enumerate(param_views(flat, params)):
-            if params[i].device.type == "meta":  # a meta tensor cannot take data: a new parameter replaces it
-                params[i] = self._replace_parameter(params[i], torch.nn.Parameter(
-                    torch.empty(0, dtype=compute_dtype, device=device), requires_grad=params[i].requires_grad))
-            params[i].data = view  # the parameter keeps its own version counter
-        unit = Unit(name, params, layout, flat, shard)
-        free_unit(unit)
-        self.units.append(unit)
-        self.masters.append(master)
-        self.grad_shards.append(torch.zeros_like(shard) if trainable else None)
-        # Each param group's elements of this unit are contiguous: its part of this rank's
-        # shard is one view of the master, optimized as one tensor (possibly empty).
-        ranges, offset = {}, 0
-        for p in trainable:
-            ranges.setdefault(group_of[p], [offset, offset])[1] = offset + p.numel()
-            offset += p.numel()
-        views = []
-        for group, (lo, hi) in ranges.items():
-            lo, hi = min(max(lo, start), stop), max(min(hi, stop), start)
-            view = master[lo - start:max(lo, hi) - start]
-            inner_params[group].append(view)
-            views.append((view, lo - start))
-        self.views.append(views)
+        if not grouped:
+            raise ValueError(f"{type(model).__name__} has no trainable parameters (all have requires_grad=False): "
+                             "there is nothing to train; unfreeze some with requires_grad_(True)")
 
     def _replace_parameter(self, old, new):
         for module in self.model.modules():
             for key, value in module._parameters.items():
                 if value is old:  # every module that holds it: tied weights stay tied
                     module._parameters[key] = new
-        self.names[new] = self.names[old]
         self.group_params = [[new if p is old else p for p in params] for params in self.group_params]
-        return new
 
-    # ---- the lifecycle of a unit, driven by hooks
+    def _cast_buffers(self, param_dtype):
+        for module in self.model.modules():
+            for buffer_name, buffer in module.named_buffers(recurse=False):
+                if buffer.device.type == "meta":
+                    raise ValueError(f"buffer {buffer_name} of {type(module).__name__} is on the meta device: build "
+                                     "the model inside zero_lab.zero3.meta_parameters(), which makes buffers as usual")
+                if param_dtype is not None and buffer.is_floating_point():
+                    buffer.data = buffer.data.to(param_dtype)
+
+    # ---- what the schedule does, seen from the optimizer
     def invalidate_order(self) -> None:
         """Forget the recorded execution order: the next step records it again, without prefetching.
         Call it on every rank when the model's order of calls changes on purpose."""
-        self.order = {"forward": None, "backward": None}
-        self.recording = {"forward": [], "backward": []}
-        self.position = {"forward": -1, "backward": -1}
-        self.backward_started = False
+        self.schedule.order.invalidate()
 
     def gathered_numel(self) -> int:
-        """Elements of gathered (or being gathered) units on this rank right now."""
-        return sum(unit.flat.numel() for unit in self.units if unit.is_gathered())
+        return self.schedule.gathered_numel()
 
-    def _log(self, phase, action, unit):
-        if self.trace is not None:
-            self.trace.append((phase, action, unit.name, self.gathered_numel()))
+    @property
+    def trace(self):
+        """None, or a list that records (phase, action, unit name, gathered elements) over time."""
+        return self.schedule.trace
 
-    def _start_forward(self, module, args):
-        self._release_all()  # units a previous forward prefetched or kept, if no backward came
-        self.position["forward"] = -1
-        if self.order["forward"] is None:
-            self.recording = {"forward": [], "backward": []}
-
-    def _follow(self, phase, index):
-        """Record the call, or check it against the recorded order (the same on every rank)."""
-        position = self.position[phase] = self.position[phase] + 1
-        order = self.order[phase]
-        if order is None:
-            self.recording[phase].append(index)
-            self._check_same_call(phase, position, index)
-        elif position >= len(order) or order[position] != index:
-            expected = f"'{self.calls[order[position]][0]}'" if position < len(order) else "no call (it had ended)"
-            raise RuntimeError(
-                f"rank {self.rank}: call {position} of the {phase} pass is unit '{self.calls[index][0]}', but the "
-                f"execution order recorded in the first step (the same on every rank) has {expected} there. Every "
-                "rank must run the same units in the same order, or the all-gathers no longer match and the ranks "
-                "hang. If the order changed on purpose on every rank, call optimizer.invalidate_order() on every "
-                "rank before that step: it is recorded again, without prefetching.")
-
-    def _check_same_call(self, phase, position, index):
-        """While the order is recorded, every call is announced to the other ranks (a tiny
-        all-gather, before the call's own collectives): a rank on another path is caught at once."""
-        mine = torch.tensor([phase == "backward", position, index], device=self.units[0].flat.device)
-        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(everyone, mine)
-        if any(not torch.equal(theirs, mine) for theirs in everyone):
-            calls = "; ".join(f"rank {rank}: {('forward', 'backward')[int(b)]} call {int(k)} '{self.calls[int(i)][0]}'"
-                              for rank, (b, k, i) in enumerate(t.tolist() for t in everyone))
-            raise RuntimeError(f"rank {self.rank}: the ranks ran different units in the first step ({calls}). Every "
-                               "rank must run the same units in the same order, or their all-gathers do not match.")
-
-    def _acquire(self, index, phase):
-        unit = self.units[index]
-        if unit.work is not None:  # prefetched: the all-gather was started earlier
-            unit.work.wait()
-            unit.work = None
-        elif not unit.is_gathered():
-            gather_unit(unit)
-            self._log(phase, "gather", unit)
-
-    def _prefetch(self, phase):
-        """Start the all-gathers that prefetch_plan asks for at the current position of the recorded
-        order of `phase`, asynchronously (keep each handle in unit.work). Nothing while the order is
-        being recorded, nor with prefetch=0."""
-        if self.order[phase] is None or not self.prefetch:
-            return  # nothing is prefetched before the order is known
-        needs = [self.calls[index][2] for index in self.order[phase]]
-        resident = {i for i, unit in enumerate(self.units) if unit.is_gathered()}
-        numels = [unit.flat.numel() for unit in self.units]
-        for index in prefetch_plan(needs, self.position[phase], self.prefetch, resident, numels,
-                                   self.gathered_numel(), self.max_live_numel):
-            self.units[index].work = gather_unit(self.units[index], async_op=True)
-            self._log(phase, "prefetch", self.units[index])
-
-    def _free(self, unit, phase):
-        if unit.work is not None:
-            unit.work.wait()
-            unit.work = None
-        free_unit(unit)
-        self._log(phase, "free", unit)
-
-    def _pre_forward(self, index, module, args):
-        """Forward pre-hook of call `index`: follow the order, make sure each unit the call needs is
-        gathered (_acquire) and count the call among its holders, then prefetch."""
-        self._follow("forward", index)
-        for unit in self.calls[index][2]:
-            self._acquire(unit, "forward")
-            self.units[unit].holders += 1
-        self._prefetch("forward")
-
-    def _post_forward(self, index, module, args, output):
-        """Forward hook of call `index`: release its units, freeing each one no call holds any more
-        (with reshard_last=False, nothing from the last call of the recorded forward on). With
-        grad enabled, return the outputs passed through RegatherForBackward, so that
-        _pre_backward(index) runs before this call's backward."""
-        order = self.order["forward"]
-        keep = not self.reshard_last and order is not None and self.position["forward"] == len(order) - 1
-        for unit in map(self.units.__getitem__, self.calls[index][2]):
-            unit.holders -= 1
-            if unit.holders == 0 and not keep:
-                self._free(unit, "forward")
-        if not torch.is_grad_enabled():
-            return output
-        return regather_before_backward(output, partial(self._pre_backward, index))
-
-    def _pre_backward(self, index):
-        """Runs just before call `index`'s backward. On the first call of a backward pass, queue
-        _finish_backward with the autograd engine; then follow the order, acquire the units the
-        call needs (gathered until their gradients are reduced) and prefetch."""
-        if not self.backward_started:
-            self.backward_started = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        self._follow("backward", index)
-        for unit in self.calls[index][2]:
-            self._acquire(unit, "backward")
-        self._prefetch("backward")
-
-    def _on_gradient_ready(self, param):
-        """Post-accumulate-grad hook: once every trainable parameter of the unit has its gradient
-        for this backward pass, reduce the unit."""
-        unit = self.unit_of[param]
-        unit.ready.add(param)
-        if len(unit.ready) == self.trainable[self.number[unit]]:
-            self._reduce(unit)
-
-    def _reduce(self, unit):
-        """Reduce-scatter the unit's gradients into its gradient shard, remember that it was reduced
-        in this backward pass, and free it unless a forward call still holds it."""
-        reduce_scatter_unit(unit, self.grad_shards[self.number[unit]])
-        unit.ready.clear()
-        self.reduced.add(unit)
-        if unit.holders == 0 and unit.is_gathered():
-            self._free(unit, "backward")
-
-    def _release_all(self):
-        for unit in self.units:
-            unit.holders = 0
-            if unit.is_gathered():
-                self._free(unit, "end")
-
-    def _finish_backward(self):
-        """Runs when backward ends: reduce what backward never reached (zeros: every rank must
-        take part), free everything, and after the first step, keep its order as the record."""
-        for index, unit in enumerate(self.units):
-            if self.trainable[index] and unit not in self.reduced:
-                self._reduce(unit)
-        self._release_all()
-        self.reduced.clear()
-        if self.order["forward"] is None:  # the first step is over: its order, checked call by call, is the record
-            self.order = {phase: list(calls) for phase, calls in self.recording.items()}
-        self.position = {"forward": -1, "backward": -1}
-        self.backward_started = False
+    @trace.setter
+    def trace(self, value):
+        self.schedule.trace = value
 
     # ---- the step, on this rank's shards
     @torch.no_grad()
     def step(self, closure=None):
-        """One optimizer step on every unit's shard; nothing is gathered (the next forward does)."""
+        """One optimizer step on every unit's shard; nothing is gathered (the next forward does).
+        A parameter that got no gradient since zero_grad (on any rank) is left alone: its
+        weights, moments and step count stay, as torch.optim does for a .grad of None."""
         if closure is not None:
             raise ValueError("stage 3 does not take a closure: compute the loss and call backward() before step()")
-        grads = []
-        for grad_shard, views in zip(self.grad_shards, self.views):
-            if grad_shard is None:
-                continue
-            grad = grad_shard.to(MASTER_DTYPE)  # a copy with mixed precision: the fp32 gradient lives during the step
-            for view, offset in views:
-                view.grad = grad[offset:offset + view.numel()]
-                grads.append(view.grad)
-        if self.max_grad_norm is not None:
+        trained = [unit for unit in self.units if unit.grad_shard is not None]
+        grads = [unit.grad_shard.to(MASTER_DTYPE) for unit in trained]  # a copy with mixed precision
+        if self.max_grad_norm is not None:  # parameters without gradient have zeros there: the norm is the same
             self.last_grad_norm = clip_grad_norm_(grads, [g.numel() for g in grads], self.max_grad_norm)
+        for unit, grad in zip(trained, grads):
+            for piece in unit.slices:
+                if piece.param in unit.had_grad:
+                    piece.master.grad = grad[piece.shard_offset:piece.shard_offset + piece.master.numel()]
         self.optimizer.step()
-        for unit, master, views in zip(self.units, self.masters, self.views):
-            for view, _ in views:
-                view.grad = None
-            if unit.shard is not master:
-                unit.shard.copy_(master)  # the compute-dtype shard follows its fp32 master
+        for unit in trained:
+            for piece in unit.slices:
+                piece.master.grad = None
+            if unit.shard is not unit.master:
+                unit.shard.copy_(unit.master)  # the compute-dtype shard follows its fp32 master
 
     @property
     def groups(self) -> list[Unit]:
@@ -543,126 +850,26 @@ class Zero3Optimizer(OptimizerOverCopies):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the gradient shards so that the whole gradient's norm is <= max_norm (call it
         between backward and step, on every rank); returns the norm before clipping."""
-        shards = [g for g in self.grad_shards if g is not None]
+        shards = [unit.grad_shard for unit in self.units if unit.grad_shard is not None]
         return clip_grad_norm_(shards, [g.numel() for g in shards], max_norm)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradient shards in place (set_to_none is ignored: they are reused)."""
-        for grad_shard in self.grad_shards:
-            if grad_shard is not None:
-                grad_shard.zero_()
+        """Zero the gradient shards in place (they are reused). With set_to_none (the default)
+        the parameters count as having no gradient until backward gives them one; with False,
+        as torch.optim, those that had one keep a zero gradient and are still stepped."""
+        for unit in self.units:
+            if unit.grad_shard is not None:
+                unit.grad_shard.zero_()
+            if set_to_none:
+                unit.had_grad.clear()
 
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What this rank holds, for zero_lab.memory_ledger (a freed unit holds nothing)."""
         return {
             "parameters": [unit.shard for unit in self.units] + [unit.flat for unit in self.units],
-            "gradients": [g for g in self.grad_shards if g is not None]
-                         + [p.grad for p in self.unit_of if p.grad is not None],
-            "master_params": [m for unit, m in zip(self.units, self.masters) if m is not unit.shard],
+            "gradients": [unit.grad_shard for unit in self.units if unit.grad_shard is not None]
+                         + [p.grad for p in self.schedule.unit_of if p.grad is not None],
+            "master_params": [unit.master for unit in self.units if unit.master is not unit.shard],
             "optimizer_states": [v for state in self.optimizer.state.values() for v in state.values()
                                  if torch.is_tensor(v) and v.dim() > 0],
         }
-
-    # ---- leaving stage 3: gathered parameters, checkpoints, an ordinary state dict
-    @contextmanager
-    def gathered_parameters(self, params=None, modifier_rank: int | None = None):
-        """Inside, the units of `params` (default: all) are gathered on every rank (call it on every
-        rank). With modifier_rank, what that rank wrote into them is broadcast and becomes the new
-        shards and fp32 masters on exit; otherwise changes are dropped."""
-        wanted = set(self.unit_of[p] for p in params) if params is not None else set(self.units)
-        units = [(i, unit) for i, unit in enumerate(self.units) if unit in wanted]
-        for _, unit in units:
-            if not unit.is_gathered():
-                gather_unit(unit)
-        try:
-            yield
-        finally:
-            for i, unit in units:
-                if modifier_rank is not None:
-                    dist.broadcast(unit.flat, src=modifier_rank)
-                    start, stop = unit.layout.shard(self.rank)
-                    self.masters[i].copy_(unit.flat[start:stop])
-                    unit.shard.copy_(unit.flat[start:stop])
-                free_unit(unit)
-
-    @torch.no_grad()
-    def unshard_model(self) -> None:
-        """Give every parameter its whole fp32 weights back, in storage of its own (every rank calls
-        it; the hooks are removed first, through hook_handles). The optimizer is unusable after."""
-        for handle in self.hook_handles:
-            handle.remove()
-        for unit, master in zip(self.units, self.masters):
-            full = master.new_empty(unit.layout.padded_numel)
-            dist.all_gather_single(full, master)
-            free_unit(unit)
-            for p, view in zip(unit.params, param_views(full, unit.params)):
-                p.data = view.clone()
-
-    def state_dict(self) -> dict:
-        """This rank's shard of the training state (fp32 masters, which include frozen parameters,
-        and the optimizer's states): save one file per rank. It is the whole checkpoint: the
-        model's own state_dict() holds unallocated parameters in stage 3."""
-        return {"stage": self.stage, "rank": self.rank, "world_size": self.world_size,
-                "numels": [unit.layout.numel for unit in self.units],
-                "masters": [m.clone() for m in self.masters], "optimizer": self.optimizer.state_dict()}
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        """Load this rank's shard (every rank calls it, with the same world size and units)."""
-        numels = [unit.layout.numel for unit in self.units]
-        if (state.get("stage"), state["world_size"], state["numels"]) != (self.stage, self.world_size, numels):
-            raise ValueError(
-                f"this checkpoint is a stage {state.get('stage')} one sharded for {state['world_size']} ranks and units "
-                f"of {state['numels']} elements, not stage 3 on {self.world_size} ranks and {numels}: resume with the "
-                "same setup, or load the consolidated_state_dict() into any setup")
-        if state["rank"] != self.rank:
-            raise ValueError(f"rank {self.rank} was given rank {state['rank']}'s shard: load each rank's own file")
-        self.optimizer.load_state_dict(state["optimizer"])
-        for unit, master, saved in zip(self.units, self.masters, state["masters"]):
-            master.copy_(saved)
-            if unit.shard is not master:
-                unit.shard.copy_(master)
-
-    @torch.no_grad()
-    def consolidated_state_dict(self, dst: int = 0) -> dict | None:
-        """The full fp32 training state on rank `dst` (None elsewhere); every rank must call it.
-
-        {"model": an ordinary model state_dict (padding removed, tied names sharing one tensor),
-        "optimizer": the state_dict of the same torch optimizer over the unsharded parameters}.
-        """
-        values, states = {}, {}
-        for unit, master, views in zip(self.units, self.masters, self.views):
-            shard_states = {}
-            for view, offset in views:
-                for key, value in self.optimizer.state.get(view, {}).items():
-                    if value.dim() == 0:
-                        shard_states.setdefault(key, value.clone())
-                    else:
-                        shard_states.setdefault(key, torch.zeros_like(master))[offset:offset + view.numel()] = value
-            gathered = {key: gather_shards(t, dst) if t.dim() else t for key, t in
-                        {"master": master, **shard_states}.items()}
-            if self.rank != dst:
-                continue
-            for key, full in gathered.items():
-                pieces = param_views(full, unit.params) if full.dim() else [full] * len(unit.params)
-                for p, piece in zip(unit.params, pieces):
-                    if key == "master":
-                        values[p] = piece.clone()
-                    elif p.requires_grad:
-                        states.setdefault(p, {})[key] = piece.clone()
-        if self.rank != dst:
-            return None
-        model_state = {k: v.float() if v.is_floating_point() else v.clone()
-                       for k, v in self.model.state_dict().items() if k not in self._parameter_names()}
-        for name, p in self.model.named_parameters(remove_duplicate=False):
-            model_state[name] = values[p]  # tied names: the same tensor
-        index = iter(range(sum(len(params) for params in self.group_params)))
-        groups, state = [], {}
-        for params, options in zip(self.group_params, self.param_groups):
-            numbers = [next(index) for _ in params]
-            state.update((i, states[p]) for i, p in zip(numbers, params) if p in states)
-            groups.append({**{k: v for k, v in options.items() if k != "params"}, "params": numbers})
-        return {"model": model_state, "optimizer": {"state": state, "param_groups": groups}}
-
-    def _parameter_names(self) -> set[str]:
-        return {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
