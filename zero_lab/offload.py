@@ -332,7 +332,7 @@ class DelayedUpdate:
             self.upload()
 
 
-DPU_WARMUP_STEPS = 40  # this course's example warm-up; the paper: "the first N - 1 steps" without DPU (section 5.2)
+DPU_WARMUP_STEPS = 40  # the paper's: DPU after the first 40 iterations in its convergence runs (section 6.2.4)
 
 
 class _Offload:
