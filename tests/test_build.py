@@ -169,3 +169,13 @@ def test_the_course_as_committed_is_built():
     # What CI checks out: notebooks, package modules and learner edition must agree, with no
     # outputs and no solution text in course/.
     assert build.check() == []
+
+
+@pytest.mark.parametrize("lesson", sorted(p.name for p in (build.REPO / build.SOURCE_DIR).iterdir() if p.is_dir()))
+def test_learner_edition_ends_by_naming_the_grade_of_the_learners_copy(lesson):
+    # Every lesson in solutions/, those added later included: `zero-lab grade course/NN_...` grades
+    # the untouched release (0 points), `zero-lab grade NN` the learner's copy in work/.
+    nb = build.read_notebook(build.REPO / build.COURSE_DIR / lesson / f"{lesson}.ipynb")
+    assert f"zero-lab grade {lesson.split('_')[0]}`" in nb.cells[-1].source
+    naming_the_release = [i for i, c in enumerate(nb.cells) if "zero-lab grade course/" in c.source]
+    assert not naming_the_release, f"{lesson}: cells {naming_the_release} tell the learner to grade course/"

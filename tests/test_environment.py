@@ -28,3 +28,21 @@ def test_environment_yml_pins_exactly_what_pyproject_pins():
 def test_every_dependency_is_pinned():
     requirements = _requirements("dependencies", "test", "deepspeed")
     assert requirements and all("==" in req for req in requirements), requirements
+
+
+def test_the_installed_versions_are_the_pinned_ones():
+    # The pins above are only text: check what this Python really imports. A local build label
+    # counts as the pinned version (torch 2.13.0+cpu, PyTorch's CPU-only build, is torch 2.13.0).
+    from importlib.metadata import PackageNotFoundError, version
+
+    wrong = {}
+    for requirement in _requirements("dependencies", "test"):
+        name, pinned = requirement.split("==")
+        name = name.split("[")[0]
+        try:
+            installed = version(name)
+        except PackageNotFoundError:
+            installed = "not installed"
+        if installed.split("+")[0] != pinned:
+            wrong[name] = f"{installed} installed, {pinned} pinned"
+    assert not wrong, f"{wrong}: run `./quickstart` again (it reinstalls when pyproject.toml changed) or delete .venv"

@@ -46,7 +46,10 @@ def test_readme_instructor_sequence(repo_copy, tmp_path):
     # alice hands in the reference, bob the untouched learner edition (built below).
     commands = [line.replace("00_collectives", "99_fixture").replace("path/to/", f"{students}/")
                 for line in readme_instructor_commands()]
-    formgrader = next(i for i, line in enumerate(commands) if line.startswith("./quickstart instructor"))
+    # ./quickstart instructor runs until Ctrl-C: the README starts it in a second terminal, not in the block.
+    assert not any(line.startswith("./quickstart instructor") for line in commands)
+    assert "**second terminal**, from the repository root: `./quickstart instructor`" in (REPO / "README.md").read_text()
+    formgrader = next(i for i, line in enumerate(commands) if line.startswith("nbgrader generate_feedback"))
     hand_in = next(i for i, line in enumerate(commands) if line.startswith("zero-lab hand-in"))
     home = tmp_path / "home"
     home.mkdir()
@@ -66,7 +69,10 @@ def test_readme_instructor_sequence(repo_copy, tmp_path):
         assert status == 200 and submissions["alice"]["score"] == 3 and submissions["bob"]["score"] == 0
         assert get(f"{base}/formgrader/manage_submissions/99_fixture")[0] == 200
 
-    run("\n".join([activate, *commands[formgrader + 1:], "zero-lab build --check 99_fixture"]), repo, script_env)
+    log = run("\n".join([activate, *commands[formgrader:], "zero-lab build --check 99_fixture"]), repo, script_env)
+    noise = re.search(r"\*\*Harmless noise.*?\n\n", (REPO / "README.md").read_text(), re.S)[0]
+    warnings = [re.sub(r"\d+", "N", line.split("] ", 1)[1]).rstrip(".") for line in log.splitlines() if "| WARNING]" in line]
+    assert all(" ".join(w.split()) in " ".join(noise.split()) for w in warnings), (warnings, "README's Harmless noise")
     for student in "alice", "bob":
         html = (repo / "feedback" / student / "99_fixture" / "99_fixture.html").read_text()
         assert "HIDDEN TESTS" not in html and not any(line in html for line in HIDDEN_LINES), student

@@ -44,17 +44,21 @@ class Link:
     """The host-device link: host buffers, and copies across the link, counted by direction.
 
     On CUDA the device is this rank's GPU. Host buffers are pinned (page-locked), so a copy is a
-    DMA transfer, issued non-blocking on a side stream; the copy waits for the device work that
-    produced its source, and later device work waits for the copy. Without an accelerator the
-    device is *simulated*: device tensors are ordinary CPU tensors that the optimizer reports to
-    the memory ledger as device memory, and a copy across the link is a real copy, counted the
-    same way (zero_lab.memory_ledger.TransferLedger).
+    DMA transfer, issued non-blocking on a side stream and ordered by CUDA events: the copy waits
+    for the device work that produced its source, later device work waits for the copy's event,
+    and the host thread waits only where it reads a copy's result (to_host). Uploads never block
+    the host: they overlap each other, the device's compute and the host's next work. This CUDA
+    path has not been run on a GPU in this course (it has none); the lesson runs the simulated one.
+    Without an accelerator the device is *simulated*: device tensors are ordinary CPU tensors that
+    the optimizer reports to the memory ledger as device memory, and a copy across the link is a
+    real copy, counted the same way (zero_lab.memory_ledger.TransferLedger).
     """
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self.simulated = self.device.type != "cuda"
         self.stream = None if self.simulated else torch.cuda.Stream(self.device)
+        self.in_flight: list[tuple[torch.cuda.Event, torch.Tensor]] = []  # uploads' host sources, kept until copied
 
     def host_zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype, pin_memory=not self.simulated)
@@ -62,28 +66,37 @@ class Link:
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host copy of device `tensor` (same dtype), ready to read when this returns."""
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=not self.simulated)
-        with self._side_stream():
-            host.copy_(tensor, non_blocking=not self.simulated)
+        copied = self._copy(host, tensor)
         record_transfer("to_host", tensor)
+        if copied is not None:
+            copied.synchronize()  # the host reads it next: wait for this copy only, not for the stream
         return host
 
     def to_device(self, device_tensor: torch.Tensor, host_tensor: torch.Tensor) -> None:
-        """Copy host_tensor into device_tensor (same dtype: cast on the host, send the small one)."""
-        with self._side_stream():
-            device_tensor.copy_(host_tensor, non_blocking=not self.simulated)
+        """Copy host_tensor into device_tensor (same dtype: cast on the host, send the small one).
+        Returns at once on CUDA; device work queued afterwards sees the copy."""
+        copied = self._copy(device_tensor, host_tensor)
         record_transfer("to_device", host_tensor)
+        if copied is not None:
+            self.in_flight.append((copied, host_tensor))
 
-    @contextmanager
-    def _side_stream(self):
+    def _copy(self, destination: torch.Tensor, source: torch.Tensor) -> torch.cuda.Event | None:
+        """Copy across the link; on CUDA return the event that marks the copy done."""
         if self.stream is None:
-            yield
-            return
+            destination.copy_(source)
+            return None
         compute = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(compute)  # the source was written by device work queued before
         with torch.cuda.stream(self.stream):
-            yield
-        compute.wait_stream(self.stream)  # device work queued after sees the copy
-        self.stream.synchronize()  # the host may read, reuse or free its buffer once we return
+            destination.copy_(source, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self.stream)
+        for tensor in (destination, source):
+            if tensor.is_cuda:
+                tensor.record_stream(self.stream)  # the allocator must not reuse it before the copy ran
+        compute.wait_event(copied)  # device work queued after sees the copy
+        self.in_flight = [(event, kept) for event, kept in self.in_flight if not event.query()]
+        return copied
 
 
 class Timeline:
@@ -332,7 +345,7 @@ class DelayedUpdate:
             self.upload()
 
 
-DPU_WARMUP_STEPS = 40  # this course's example warm-up; the paper: "the first N - 1 steps" without DPU (section 5.2)
+DPU_WARMUP_STEPS = 40  # the paper's: DPU after the first 40 iterations in its convergence runs (section 6.2.4)
 
 
 class _Offload:

@@ -93,9 +93,22 @@ LANGUAGE_INFO = {"codemirror_mode": {"name": "ipython", "version": 3}, "file_ext
 RUN_ALL_CONTINUES = "raises-exception"
 
 
-def learner_edition(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+def grade_your_copy(lesson: str) -> nbformat.NotebookNode:
+    """The learner edition's last cell: how to grade the learner's own copy (work/), not the release."""
+    number = lesson.split("_")[0]
+    return nbformat.v4.new_markdown_cell(
+        "## Grade your work\n\n"
+        f"Save this notebook, then in a terminal at the repository root run `.venv/bin/zero-lab grade {number}`.\n"
+        f"It grades **your copy**, `work/{lesson}/{lesson}.ipynb`, with the visible and the hidden tests, and\n"
+        f"says in one line why each lost point was lost. (`course/{lesson}/` is the untouched release: it scores 0.)",
+        id="grade-your-copy")  # a fixed id: the build's output stays byte for byte reproducible
+
+
+def learner_edition(nb: nbformat.NotebookNode, lesson: str) -> nbformat.NotebookNode:
     """Run All runs to the end: every code cell from the first exercise on may fail (an
-    unfinished exercise raises NotImplementedError) without stopping the run."""
+    unfinished exercise raises NotImplementedError) without stopping the run. The last cell
+    says how to grade the learner's copy."""
+    nb.cells.append(grade_your_copy(lesson))
     exercise_seen = False
     for cell in nb.cells:
         if cell.cell_type != "code":
@@ -112,7 +125,7 @@ class LearnerEdition(NbGraderPreprocessor):
     so the instructor's nbgrader and `zero-lab build` write the same course/."""
 
     def preprocess(self, nb, resources):
-        return learner_edition(nb), resources
+        return learner_edition(nb, resources["nbgrader"]["assignment"]), resources
 
 
 def annotate(nb: nbformat.NotebookNode, where: str) -> nbformat.NotebookNode:

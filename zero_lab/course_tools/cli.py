@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -41,9 +42,35 @@ def run_start(args) -> int:
     return 0
 
 
-def show_progress(line: str) -> None:
-    if sys.stderr.isatty():
-        print(f"\r{line:<78}", end="", file=sys.stderr, flush=True)
+class GradingProgress:
+    """What `zero-lab grade` shows while nbgrader runs: on a terminal one line rewritten in place
+    (and erased at the end, so the table starts at column 1); elsewhere (a log, a notebook's `!`,
+    CI) a plain line as each test cell starts: "grading test 3/8: zero3_trains ..."."""
+
+    RUNNING_TEST = re.compile(r": test ([\w-]+),")  # grading.status_line's "grading LESSON: test ID, N s"
+    TEST_CELL = re.compile(r"#\|\s*test\s+([\w-]+)")
+
+    def __init__(self, notebook: Path, stream=sys.stderr):
+        cells = build.read_notebook(notebook).cells
+        self.tests = [m[1] for c in cells if c.cell_type == "code" and (m := self.TEST_CELL.match(c.source.lstrip()))]
+        self.stream, self.on_terminal, self.shown = stream, stream.isatty(), 0  # tests announced so far
+
+    def __call__(self, line: str) -> None:
+        if self.on_terminal:
+            print(f"\r{line:<78}", end="", file=self.stream, flush=True)
+            return
+        running = self.RUNNING_TEST.search(line)
+        if not running or running[1] not in self.tests[self.shown:]:
+            return
+        # Test cells run in notebook order; one that took less than a poll of the grader is announced too.
+        upto = self.tests.index(running[1], self.shown) + 1
+        for number in range(self.shown + 1, upto + 1):
+            print(f"grading test {number}/{len(self.tests)}: {self.tests[number - 1]} ...", file=self.stream, flush=True)
+        self.shown = upto
+
+    def done(self) -> None:
+        if self.on_terminal:
+            print(f"\r{'':<78}\r", end="", file=self.stream, flush=True)
 
 
 def run_grade(args) -> int:
@@ -51,8 +78,9 @@ def run_grade(args) -> int:
 
     notebook = workspace.default_notebook(args.lesson)
     print(f"grading {notebook} (visible and hidden tests) ...", file=sys.stderr)
-    report = grading.grade(notebook, progress=show_progress)
-    show_progress("")
+    progress = GradingProgress(notebook)
+    report = grading.grade(notebook, progress=progress)
+    progress.done()
     print(grading.score_table(report))
     return 0
 

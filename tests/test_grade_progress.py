@@ -1,0 +1,39 @@
+"""What `zero-lab grade` prints while it grades: plain lines off a terminal, one erased line on it."""
+
+import io
+
+from zero_lab.course_tools import build
+from zero_lab.course_tools.cli import GradingProgress
+
+LESSON = build.REPO / "course" / "00_collectives" / "00_collectives.ipynb"
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def feed(progress, lines):
+    for line in lines:
+        progress(line)
+    progress.done()
+
+
+def test_off_a_terminal_one_plain_line_per_test_with_its_number():
+    out = io.StringIO()
+    progress = GradingProgress(LESSON, out)
+    first, second, third = progress.tests[:3]
+    feed(progress, ["grading 00_collectives: starting, 0 s", "grading 00_collectives: cell 3 of 40, 2 s",
+                    f"grading 00_collectives: test {second}, 5 s", f"grading 00_collectives: test {second}, 6 s",
+                    f"grading 00_collectives: test {third}, 9 s"])
+    n = len(progress.tests)
+    # the first test ran between two polls: it is announced all the same, in order
+    assert out.getvalue() == (f"grading test 1/{n}: {first} ...\ngrading test 2/{n}: {second} ...\n"
+                              f"grading test 3/{n}: {third} ...\n")
+
+
+def test_on_a_terminal_the_line_is_erased_so_the_table_starts_at_column_1():
+    out = Terminal()
+    feed(GradingProgress(LESSON, out), ["grading 00_collectives: starting, 0 s"])
+    text = out.getvalue()
+    assert "\n" not in text and text.endswith("\r") and text.rsplit("\r", 2)[1].strip() == ""
