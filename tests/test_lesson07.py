@@ -15,7 +15,7 @@ from unittest import mock
 import matplotlib
 import pytest
 
-from zero_lab import launch, memory
+from zero_lab import RankFailed, launch, memory
 from zero_lab.benchmark import RESIDUAL_PARTS, decompose_residual, largest_that_fits
 from zero_lab.course_tools import build
 from zero_lab.memory_ledger import CATEGORIES
@@ -217,3 +217,74 @@ def test_graded_tests_catch_typical_wrong_answers():
     assert _passes("fit_search", largest_that_fits=largest_that_fits)
     for wrong in (_search(_linear_scan), _search(_binary_search_missing_the_last_width), _widest):
         assert not _passes("fit_search", largest_that_fits=wrong), wrong
+
+
+# --- exercises 1-3 (the learner's probe, per-phase peaks, every stage): the lesson's own cells are
+# exec'd in order up to the test cell, with one solution cell replaced by a wrong answer.
+
+def _lesson_until(test_id: str, **replacements) -> tuple[dict, str]:
+    """Namespace after the non-demo cells before test `test_id` (solution cells in `replacements`
+    replaced by that source), and the test cell with its hidden tests."""
+    namespace = {}
+    for cell in build.read_notebook(build.source_notebook(REPO, "07_benchmarks")).cells:
+        if cell.cell_type != "code" or "demo" in cell.metadata.get("tags", []):
+            continue
+        first = cell.source.split("\n", 1)[0]
+        if first.startswith(f"#| test {test_id} "):
+            return namespace, cell.source
+        if not first.startswith("#| test "):
+            solution = first[len("#| solution "):] if first.startswith("#| solution ") else None
+            exec(replacements.get(solution, cell.source), namespace)
+    raise KeyError(test_id)
+
+
+def _passes_exercise(test_id: str, **replacements) -> bool:
+    namespace, test = _lesson_until(test_id, **replacements)
+    try:
+        exec(test, namespace)
+    except (AssertionError, RankFailed):
+        return False
+    return True
+
+
+RECORD_WITHOUT = {  # record_step with one line of the reference dropped or changed
+    "no saved-tensor hooks": ("        with saved.hooks():\n            loss = loss_fn()", "        loss = loss_fn()"),
+    "no gradient hooks": ("    handles += [p.register_post_accumulate_grad_hook(read) for p in model.parameters() if p.requires_grad]\n", ""),
+    "hooks left on error": ("    finally:\n        for handle in handles:\n            handle.remove()",
+                            "    finally:\n        pass\n    for handle in handles:\n        handle.remove()"),
+}
+PEAKS_WITH = {  # phase_peaks with one line of the reference changed
+    "model states pick the reading": ('total = sum(reading[c] for c in CATEGORIES) + reading["activations"]',
+                                      'total = sum(reading[c] for c in CATEGORIES)'),
+    "no gather buffers": ('gathered = max(0, r["parameters"] - formula["parameters"])', 'gathered = 0'),
+    "negative gather buffers": ('gathered = max(0, r["parameters"] - formula["parameters"])',
+                                'gathered = r["parameters"] - formula["parameters"]'),
+    "last reading of a phase": ("total > largest[reading[\"phase\"]][0]", "total >= 0"),
+}
+
+
+def _mutant(solution_id: str, old: str, new: str) -> str:
+    nb = build.read_notebook(build.source_notebook(REPO, "07_benchmarks"))
+    source = next(c.source for c in nb.cells if c.source.startswith(f"#| solution {solution_id}\n"))
+    assert old in source, (solution_id, old)
+    return source.replace(old, new)
+
+
+@pytest.mark.parametrize("name", PEAKS_WITH)
+def test_phase_peaks_tests_catch_wrong_answers(name):
+    assert not _passes_exercise("test_phase_peaks", phase_peaks=_mutant("phase_peaks", *PEAKS_WITH[name]))
+
+
+@pytest.mark.parametrize("name", RECORD_WITHOUT)
+def test_record_step_tests_catch_wrong_answers(name):
+    assert not _passes_exercise("test_record_step", record_step=_mutant("record_step", *RECORD_WITHOUT[name]))
+
+
+def test_measure_stages_tests_catch_a_missing_warm_up_step():
+    no_warm_up = _mutant("measure_stages", "        model(tokens, targets)[1].backward()\n        optimizer.step()\n"
+                         "        optimizer.zero_grad()\n", "")
+    assert not _passes_exercise("test_measure_stages", measure_stages=no_warm_up)
+
+
+def test_the_harness_passes_the_reference():
+    assert _passes_exercise("test_phase_peaks") and _passes_exercise("test_record_step")

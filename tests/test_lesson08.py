@@ -2,6 +2,7 @@
 and the drills' tests catching typical wrong answers (run in-process: grading the whole notebook
 is test_grading.py's job)."""
 
+import os
 import re
 from fractions import Fraction
 
@@ -78,14 +79,20 @@ def _cells(nb, pattern):
     return {m[1]: c.source for c in nb.cells if c.cell_type == "code" and (m := re.match(pattern, c.source))}
 
 
-def _run_drill(nb, test_id, replacement=None):
-    """Exec the drills' reference solutions (one replaced by `replacement`), then test `test_id`."""
-    namespace = {"Fraction": Fraction, "torch": torch, "dist": dist, "zero_lab": zero_lab}
+def _run_drill(nb, test_id, replacement=None, seeds=None):
+    """Exec the lesson's set-up cell and the drills' reference solutions (one replaced by
+    `replacement`), then test `test_id`, hidden tests included; `seeds` replaces their fixed seeds."""
+    namespace = {}
+    exec(nb.cells[1].source, namespace)  # CONFIG, BATCHES, prepare, the ledgers, ...
     for source in _cells(nb, r"#\| solution (drill-\S+)").values():
         exec(source, namespace)
     if replacement:
         exec(replacement, namespace)
-    exec(_cells(nb, r"#\| test (test_\S+)")[test_id], namespace)
+    test = _cells(nb, r"#\| test (test_\S+)")[test_id]
+    if seeds is not None:
+        test, replaced = re.subn(r"^_SEEDS = \(.*$", f"_SEEDS = {tuple(seeds)!r}", test, flags=re.M)
+        assert replaced == 1, f"{test_id}: no `_SEEDS = (...)` line"
+    exec(test, namespace)
 
 
 MUTANTS = {
@@ -109,6 +116,10 @@ MUTANTS = {
     ],
     "test_largest_model": [
         "def largest_model(device_bytes, stage, nd):\n    return int(device_bytes // 16)",
+        # one parameter too many: rounds the quotient instead of flooring it
+        "def largest_model(device_bytes, stage, nd):\n"
+        "    per = {0: 16, 1: 4 + Fraction(12, nd), 2: 2 + Fraction(14, nd), 3: Fraction(16, nd)}[stage]\n"
+        "    return round(Fraction(device_bytes) / per)",
     ],
     "test_shard_range": [
         # the snippet's bug: the last numel % world_size elements belong to nobody
@@ -132,7 +143,56 @@ MUTANTS = {
         "    dist.all_reduce(flat_grads)\n"
         "    flat_params -= lr * flat_grads / dist.get_world_size()",
     ],
+    "test_plan": [
+        # the fewest devices at any stage (stage 3 wins almost always), not the lowest stage that fits
+        "def plan(psi, device_bytes, max_nd):\n"
+        "    return next(((s, n) for n in range(1, max_nd + 1) for s in range(4)\n"
+        "                 if bytes_per_device(psi, s, n) <= device_bytes), None)",
+        # strictly below the budget
+        "def plan(psi, device_bytes, max_nd):\n"
+        "    return next(((s, n) for s in range(4) for n in range(1, max_nd + 1)\n"
+        "                 if bytes_per_device(psi, s, n) < device_bytes), None)",
+    ],
+    "test_step_bytes": [
+        # the ledger around the last micro-step and the optimizer step only
+        "def step_bytes(stage, micro_steps):\n"
+        "    rank, nd = dist.get_rank(), dist.get_world_size()\n"
+        "    model, optimizer = prepare(GPT(CONFIG, seed=0), torch.optim.AdamW, stage=stage, lr=LR, param_dtype=torch.bfloat16)\n"
+        "    tokens, targets = shard_batch(BATCHES[0], rank, nd)\n"
+        "    for t, y in list(zip(tokens.chunk(micro_steps), targets.chunk(micro_steps)))[:-1]:\n"
+        "        (model(t, y)[1] / micro_steps).backward()\n"
+        "    with zero_lab.CommLedger() as ledger:\n"
+        "        (model(tokens.chunk(micro_steps)[-1], targets.chunk(micro_steps)[-1])[1] / micro_steps).backward()\n"
+        "        optimizer.step()\n"
+        "    return {k: r['sent_bytes'] for k, r in ledger.summary().items()}",
+    ],
+    "test_offload": [
+        # the paper's fp16 gradient shard on the host: 14 psi / nd, not what this implementation keeps
+        "def offload_prediction(psi, nd):\n"
+        "    return {'device': 2 * psi, 'host': Fraction(14 * psi, nd), 'to_host': Fraction(2 * psi, nd),\n"
+        "            'to_device': Fraction(2 * psi, nd)}",
+        # the whole model crosses PCIe, not the rank's shard
+        "def offload_prediction(psi, nd):\n"
+        "    return {'device': 2 * psi, 'host': Fraction(16 * psi, nd), 'to_host': 2 * psi, 'to_device': 2 * psi}",
+    ],
+    "test_prefetch": [
+        # depth units instead of depth + 1: forgets the unit that is computing
+        "def gathered_peak(numels, depth, element_bytes=2):\n"
+        "    return element_bytes * max(sum(numels[i:i + max(depth, 1)]) for i in range(len(numels)))",
+        # measured in the first step, before the order is recorded: nothing is prefetched yet
+        "def measure_gathered_peak(depth):\n"
+        "    rank, nd = dist.get_rank(), dist.get_world_size()\n"
+        "    model, optimizer = prepare(GPT(CONFIG, seed=0), torch.optim.AdamW, stage=3, prefetch=depth, lr=LR,\n"
+        "                               param_dtype=torch.bfloat16)\n"
+        "    start, readings = model_state_bytes(model, optimizer).bytes['parameters'], []\n"
+        "    for m in model.modules():\n"
+        "        m.register_forward_pre_hook(lambda *_: readings.append(model_state_bytes(model, optimizer).bytes['parameters'] - start))\n"
+        "    model(*shard_batch(BATCHES[0], rank, nd))[1].backward()\n"
+        "    return max(readings)",
+    ],
 }
+
+PURE_DRILLS = ("test_bytes_per_device", "test_bytes_sent_per_step", "test_largest_model", "test_shard_range", "test_plan")
 
 
 @pytest.mark.parametrize("test_id, mutant", [(t, m) for t, ms in MUTANTS.items() for m in ms],
@@ -140,3 +200,10 @@ MUTANTS = {
 def test_typical_wrong_answers_fail(notebook, test_id, mutant):
     with pytest.raises((AssertionError, zero_lab.RankFailed)):
         _run_drill(notebook, test_id, mutant)
+
+
+@pytest.mark.parametrize("test_id", PURE_DRILLS)
+def test_hidden_tests_pass_the_reference_on_other_seeds(notebook, test_id):
+    """The graded notebook fixes its seeds (a grading can be reproduced); here they vary per run."""
+    seeds = [int.from_bytes(os.urandom(4), "little") for _ in range(3)]
+    _run_drill(notebook, test_id, seeds=seeds)
