@@ -1,10 +1,10 @@
-"""Where our ZeRO-3 step spends its time: torch.profiler over a few steps on rank 0.
+"""Where a ZeRO-3 step spends its time, ours or FSDP2's: torch.profiler over a few steps on rank 0.
 
-    python benchmarks/zero3_profile.py [--size 7M] [--ranks 2] [--steps 6] [--warmup 2] [--prefetch 1]
+    python benchmarks/zero3_profile.py [--fsdp2] [--size 7M] [--ranks 2] [--steps 6] [--warmup 2] [--prefetch 1]
                                        [--stacks aten::copy_ aten::fill_ torch::autograd::AccumulateGrad]
 
-Trains the GPT of `--size` (benchmarks/zero3_vs_fsdp2.py's sizes and units: one per block) with
-`zero_lab.prepare(..., stage=3)` and profiles the steps after `--warmup` on rank 0 (CPU
+Trains the GPT of `--size` with benchmarks/zero3_vs_fsdp2.py's set-up (one unit per block):
+`zero_lab.prepare(..., stage=3)`, or with `--fsdp2` FSDP2's `fully_shard`, and profiles the steps after `--warmup` on rank 0 (CPU
 activities, with stacks). Prints the operators by self time — compute (addmm, bmm, softmax...),
 gloo's collectives (the all-gather and reduce-scatter calls, waiting included), copies
 (copy_, cat, narrow), the optimizer (_foreach ops / adamw) — and the share of the profiled wall
@@ -16,22 +16,22 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import zero_lab
 from zero_lab.data import shard_batch, token_batches
-from zero_lab.models import GPT, Block
-from zero_lab.prepare import prepare
+from zero_lab.models import GPT
 from zero_lab.side_by_side import SIZES
 
+from zero3_vs_fsdp2 import VERSIONS, build  # the side-by-side's set-up (this script's folder is on sys.path)
 
-def profiled_steps(size: str, steps: int, warmup: int, prefetch: int, batch_size: int, rows: int,
+
+def profiled_steps(version: str, size: str, steps: int, warmup: int, prefetch: int, batch_size: int, rows: int,
                    stacks: tuple[str, ...] = ()) -> str | None:
     config = SIZES[size]
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    model, optimizer = prepare(GPT(config, seed=0), torch.optim.AdamW, stage=3, units=(Block,), prefetch=prefetch, lr=1e-3)
+    model, optimizer = build(version, GPT(config, seed=0), prefetch)
     batches = [shard_batch(batch, rank, world_size)
                for batch in token_batches(steps, batch_size, config.block_size, config.vocab_size)]
 
@@ -54,7 +54,7 @@ def profiled_steps(size: str, steps: int, warmup: int, prefetch: int, batch_size
     events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     events.sort(key=lambda e: -e.self_cpu_time_total)
     operator_us = sum(e.self_cpu_time_total for e in events)
-    lines = [f"ZeRO-3, GPT {size} ({GPT(config).num_params():,} parameters), {world_size} ranks, "
+    lines = [f"{version}, GPT {size} ({GPT(config).num_params():,} parameters), {world_size} ranks, "
              f"{steps - warmup} profiled steps: {wall_us / 1e3 / (steps - warmup):.0f} ms per step (rank 0)",
              f"{'operator':>44} {'self ms/step':>13} {'share':>7} {'calls/step':>11}"]
     for event in events[:rows]:
@@ -76,6 +76,7 @@ def profiled_steps(size: str, steps: int, warmup: int, prefetch: int, batch_size
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fsdp2", action="store_true", help="profile FSDP2 instead of ours")
     parser.add_argument("--size", choices=list(SIZES), default="7M")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
@@ -86,7 +87,8 @@ def main() -> None:
     parser.add_argument("--stacks", nargs="*", default=(), metavar="OPERATOR",
                         help="for these operators (e.g. aten::copy_ aten::fill_), the calls' places in zero_lab")
     args = parser.parse_args()
-    print(zero_lab.launch(profiled_steps, args.ranks, args.size, args.steps, args.warmup, args.prefetch,
+    version = VERSIONS[1] if args.fsdp2 else VERSIONS[0]
+    print(zero_lab.launch(profiled_steps, args.ranks, version, args.size, args.steps, args.warmup, args.prefetch,
                           args.batch_size, args.rows, tuple(args.stacks), timeout=600)[0])
 
 
