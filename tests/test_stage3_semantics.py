@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from sharded_training import ADAMW, assert_close, mlp_batches, weights
-from zero_lab import RankFailed, launch
+from zero_lab import RankFailed, RanksHung, launch
 from zero_lab.data import shard_batch
 from zero_lab.prepare import prepare
 
@@ -217,3 +217,28 @@ def test_model_without_trainable_parameters_is_refused_at_prepare():
 
     with pytest.raises(RankFailed, match="no trainable parameters"):
         launch(frozen, 2, timeout=30)
+
+
+class Extra(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.last = nn.Linear(6, 9), nn.Linear(9, 5)
+        self.extra = nn.Parameter(torch.zeros(9))  # the root's unit
+
+    def forward(self, x, use_extra):
+        h = torch.tanh(self.first(x))
+        return self.last(h + self.extra if use_extra else h)
+
+
+def _extra_on_rank_one():
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model, optimizer = prepare(Extra(), torch.optim.AdamW, stage=3, **ADAMW)
+    x, y = shard_batch(mlp_batches(1)[0], rank, world_size)
+    F.mse_loss(model(x, use_extra=rank == 1), y).backward()  # the same calls, not the same parameters
+
+
+def test_parameters_used_on_some_ranks_only_stop_within_seconds_naming_the_collectives():
+    # Each rank steps a parameter only if it had a gradient; a parameter used on some ranks only is
+    # caught by the schedule itself: the unit's reduce-scatter comes at different points.
+    with pytest.raises(RanksHung, match=r"rank 1: blocked in .*reduce_scatter"):
+        launch(_extra_on_rank_one, 2, timeout=10)
