@@ -1,5 +1,6 @@
 """Lesson 04, ZeRO stage 2: gradients reduce-scattered during backward, only the shard kept."""
 
+import contextlib
 import io
 import time
 from fractions import Fraction
@@ -49,6 +50,51 @@ def test_matches_stage_1():
     zero1 = launch(_train_mlp, 3, stage=1, micro_steps=2, timeout=60)
     zero2 = launch(_train_mlp, 3, stage=2, micro_steps=2, bucket_numel=20, timeout=60)
     assert_close([w for w, _, _ in zero2], zero1[0][0])
+
+
+def _train_with_no_sync(micro_steps, frozen_first_layer=False):
+    """Every backward but a step's last inside optimizer.no_sync(): weights, reduce-scatter bytes per step."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = MLP(SIZES, seed=0)
+    if frozen_first_layer:
+        model.layers[0].requires_grad_(False)
+    model, optimizer = prepare(model, torch.optim.AdamW, stage=2, bucket_numel=9, **ADAMW)
+    sent = []
+    for batch in mlp_batches():
+        micro_batches = list(zip(*(t.chunk(micro_steps) for t in shard_batch(batch, rank, world_size))))
+        with zero_lab.CommLedger() as ledger:
+            for i, micro_batch in enumerate(micro_batches):
+                with optimizer.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
+                    (mlp_loss(model, micro_batch) / micro_steps).backward()
+        sent.append(ledger.sent_bytes("reduce_scatter"))
+        optimizer.step()
+        optimizer.zero_grad()
+    with pytest.raises(RuntimeError, match="inside optimizer.no_sync"), optimizer.no_sync():
+        optimizer.step()
+    return weights(model), sent, optimizer.require_gradient_sync
+
+
+@pytest.mark.parametrize("world_size, micro_steps", [(1, 3), (2, 3), (3, 2), (4, 3)])
+def test_no_sync_accumulates_locally_and_reduce_scatters_once(world_size, micro_steps):
+    results = launch(_train_with_no_sync, world_size, micro_steps, timeout=60)
+    assert_close([w for w, _, _ in results], single_process()[0])
+    padded = ShardLayout(MLP(SIZES).num_params(), world_size).padded_numel
+    for _, sent, sync_after in results:
+        assert set(sent) == {Fraction(world_size - 1, world_size) * padded * 4} and sync_after  # one backward's worth
+
+
+def test_no_sync_with_a_frozen_layer_is_plain_accumulation():
+    with_no_sync = launch(_train_with_no_sync, 3, 2, True, timeout=60)
+    plain = launch(_train_mlp_frozen, 3, timeout=60)
+    assert_close([w for w, _, _ in with_no_sync], plain[0])
+
+
+def _train_mlp_frozen():
+    model = MLP(SIZES, seed=0)
+    model.layers[0].requires_grad_(False)
+    model, optimizer = prepare(model, torch.optim.AdamW, stage=2, bucket_numel=9, **ADAMW)
+    train(model, optimizer, mlp_batches(), mlp_loss, micro_steps=2)
+    return weights(model)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -253,7 +299,7 @@ def test_timeline_stage_2_reduces_during_backward_stage_1_after():
             plt.close("all")
 
 
-# Typical wrong versions of the stage's algorithm (exercises 4-6): each must fail a graded test cell.
+# Typical wrong versions of the stage's algorithm (exercises 4-7): each must fail a graded test cell.
 _HOOK_QUEUE = """        if not self.final_callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self.final_callback_queued = True
@@ -265,12 +311,23 @@ _HOOK_LOOP = """        while self.next_bucket < len(self.buckets) and self._is_
 _LAUNCH_WAITS = """        if self.in_flight is not None:  # one bucket in flight: gradient memory stays bounded
             self._accumulate(self.in_flight)
 """
+_NO_SYNC_RETURN = """        if not self.require_gradient_sync:  # no_sync(): the gradient stays whole in param.grad, and adds up
+            return
+"""
 MUTANTS = {
     "the end-of-backward callback is never queued": ([(_HOOK_QUEUE, "")], {"gradient_hook", "gradient_shards"}),
     "every bucket launched at the end of backward": ([(_HOOK_LOOP, "        pass\n")], {"gradient_hook", "gradient_shards"}),
     "the bucket in flight is not finished first": ([(_LAUNCH_WAITS, "")], {"bucket_launch", "gradient_shards"}),
     "ready sets never cleared": ([("        bucket.ready.clear()\n        ### END SOLUTION", "        ### END SOLUTION")],
                                 {"bucket_launch", "gradient_shards"}),
+    # exercise 7
+    "no_sync() still sends: the hook does not return": ([(_NO_SYNC_RETURN, "")], {"no_sync"}),
+    "no_sync() marks the parameter ready before returning": (
+        [(_NO_SYNC_RETURN, ""), ("        self.bucket_of[param].ready.add(param)\n",
+                                 "        self.bucket_of[param].ready.add(param)\n" + _NO_SYNC_RETURN)], {"no_sync"}),
+    "no_sync() not switched back when its block raises": (
+        [("        try:\n            yield\n        finally:\n            self.require_gradient_sync = True\n",
+          "        yield\n        self.require_gradient_sync = True\n")], {"no_sync"}),
 }
 
 
@@ -298,6 +355,6 @@ def test_wrong_algorithms_fail_graded_cells(mutant):
                 exec(compile(source, test_id or "cell", "exec"), namespace)
             except (AssertionError, zero_lab.RankFailed):
                 failed.add(test_id)
-        if test_id == "gradient_shards":
+        if test_id == ("no_sync" if "no_sync" in must_fail else "gradient_shards"):
             break
     assert must_fail <= failed, f"{mutant}: only {sorted(failed)} failed"

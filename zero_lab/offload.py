@@ -250,18 +250,23 @@ def build_c_library(source: str) -> ctypes.CDLL:
     return ctypes.CDLL(str(library))
 
 
+def adamw_kernel(source: str):
+    """The adamw_step of C `source` (ADAMW_C's signature) as a ctypes function; raises as build_c_library does."""
+    kernel = build_c_library(source).adamw_step
+    kernel.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] + [ctypes.c_float] * 7
+    kernel.restype = None
+    return kernel
+
+
 @functools.cache
 def compiled_adamw_step():
     """ADAMW_C's adamw_step as a ctypes function, built at first use; None (after a one-line notice) if it cannot be."""
     try:
-        kernel = build_c_library(ADAMW_C).adamw_step
+        return adamw_kernel(ADAMW_C)
     except (OSError, subprocess.SubprocessError) as error:
         reason = (getattr(error, "stderr", None) or str(error)).strip().splitlines()[0]
         warnings.warn(f"no compiled CPU Adam ({reason}): the host runs cpu_adam_, torch's operations (slower)")
         return None
-    kernel.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] + [ctypes.c_float] * 7
-    kernel.restype = None
-    return kernel
 
 
 COMPILED_CHUNK_NUMEL = 2**18  # per call on a pool thread: 7 MB of traffic, far more than a call's overhead
@@ -270,14 +275,14 @@ COMPILED_CHUNK_NUMEL = 2**18  # per call on a pool thread: 7 MB of traffic, far 
 @torch.no_grad()
 def compiled_adam_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int,
                    *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                   pool: ThreadPoolExecutor | None = None, chunk_numel: int = COMPILED_CHUNK_NUMEL) -> None:
-    """cpu_adam_ as one compiled loop (ADAMW_C): the same arguments, one pass over memory.
+                   pool: ThreadPoolExecutor | None = None, chunk_numel: int = COMPILED_CHUNK_NUMEL, kernel=None) -> None:
+    """cpu_adam_ as one compiled loop (ADAMW_C, or `kernel`: another adamw_kernel): the same arguments, one pass.
 
     Without a pool one call does the whole shard; with one, chunks of chunk_numel elements run on
     its threads (ctypes releases the GIL). The tensors must be contiguous fp32 CPU tensors of one
     size: the loop reads their memory directly.
     """
-    kernel = compiled_adamw_step()
+    kernel = compiled_adamw_step() if kernel is None else kernel
     if kernel is None:
         raise RuntimeError("compiled_adam_ needs a C compiler (cc, or $CC): use cpu_adam_")
     tensors = (param, grad, exp_avg, exp_avg_sq)

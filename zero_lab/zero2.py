@@ -16,6 +16,7 @@ Layout, fp32 masters, step, all-gather, clipping and checkpoints are lesson 03's
 with mixed precision, and the same 2 Psi of communication per step as DDP (section 7.2.1).
 """
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -136,6 +137,7 @@ class Zero2Optimizer(Zero1Optimizer):
         self.in_flight = None  # the bucket being reduce-scattered: at most one
         self.final_callback_queued = False
         self.shards_used = False  # step() used the shards: zero_grad() must come before the next backward
+        self.require_gradient_sync = True  # False inside no_sync() (exercise 7): backward sends nothing
 
     def _new_flat_grad(self, flat_param, params):
         for p in params:
@@ -158,6 +160,8 @@ class Zero2Optimizer(Zero1Optimizer):
             raise RuntimeError("backward after optimizer.step() without optimizer.zero_grad(): stage 2 keeps "
                                "the gradients in shards that model.zero_grad() cannot reach, so they would add "
                                "to the last step's. Call optimizer.zero_grad() after optimizer.step().")
+        if not self.require_gradient_sync:  # no_sync(): the gradient stays whole in param.grad, and adds up
+            return
         if not self.final_callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self.final_callback_queued = True
@@ -187,8 +191,23 @@ class Zero2Optimizer(Zero1Optimizer):
             self._accumulate(self.in_flight)
         self.next_bucket, self.in_flight, self.final_callback_queued = 0, None, False
 
+    @contextmanager
+    def no_sync(self):
+        """Exercise 7: backward passes inside send nothing; their gradients add up, whole, in each
+        param.grad (stage 1's memory meanwhile), and the first backward after the block
+        reduce-scatters the sum with its own. As DDP's no_sync (lesson 02) and FSDP2's
+        set_requires_gradient_sync(False)."""
+        self.require_gradient_sync = False
+        try:
+            yield
+        finally:
+            self.require_gradient_sync = True
+
     def reduce_gradients(self) -> list[torch.Tensor]:
         """The averaged gradient shards: complete as soon as backward has returned."""
+        if not self.require_gradient_sync:
+            raise RuntimeError("optimizer.step() inside optimizer.no_sync(): the gradients are not reduced yet; "
+                               "run the last micro-step's backward outside the block")
         self.shards_used = True
         return self.grad_shards
 
