@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from zero_lab.course_tools import build, grading, questions, workspace
+from zero_lab.course_tools import build, grading, questions, release, workspace
 from zero_lab.course_tools.implementation import REPO, mine_dir
 
 
@@ -64,6 +64,13 @@ def run_mine(args) -> int:
             unfinished = "  (still raises NotImplementedError somewhere)" if "NotImplementedError" in path.read_text() else ""
             print(f"wrote {path}{unfinished}")
     print(f"Use them with ZERO_LAB_IMPL=mine ZERO_LAB_MINE_DIR={args.to} set before Python (or Jupyter) starts.")
+    return 0
+
+
+def run_release(args) -> int:
+    left_out = release.student_release(REPO, args.student, args.keep_modules_before)
+    print(f"wrote the student release to {args.student} (left out {len(left_out)} files: solutions/, tests/, "
+          "reference modules)")
     return 0
 
 
@@ -126,6 +133,15 @@ def parser() -> argparse.ArgumentParser:
     hand_in_parser.add_argument("notebook", type=Path, help="the student's notebook")
     hand_in_parser.set_defaults(run=run_hand_in)
 
+    release_parser = commands.add_parser(
+        "release", help="instructor: the course for a closed assignment, without solutions/ and reference modules",
+        description="Copy what git tracks to DIR, less solutions/ (reference solutions, hidden tests), tests/ and "
+                    "the zero_lab/ modules the lessons generate. Grade in your own checkout.")
+    release_parser.add_argument("--student", type=Path, required=True, metavar="DIR", help="a new or empty folder")
+    release_parser.add_argument("--keep-modules-before", metavar="LESSON",
+                                help="keep the reference modules of the lessons before this one (e.g. 05_zero3)")
+    release_parser.set_defaults(run=run_release)
+
     ask_parser = commands.add_parser("ask", help="search the interview questions of lesson 08",
                                      description="Print the questions matching WORDS, their short answers and where "
                                                  "their runnable cells are (index: docs/questions.md).")
@@ -138,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return args.run(args)
-    except (build.BuildError, grading.GradingError, workspace.WorkspaceError) as error:
+    except (build.BuildError, grading.GradingError, release.ReleaseError, workspace.WorkspaceError) as error:
         print(f"zero-lab {args.command}: {error}", file=sys.stderr)
         return 1
 
