@@ -40,7 +40,7 @@ from pathlib import Path
 from zero_lab import launcher
 from zero_lab.course_tools import build
 from zero_lab.course_tools.release import exporting_lesson
-from zero_lab.course_tools.implementation import PACKAGE
+from zero_lab.course_tools.implementation import PACKAGE, REPO
 
 TEST_CELL = re.compile(r"\s*#\|\s*test\s")
 MAX_WRAPPERS = 20  # decorators stacked on one exercise (torch.no_grad, functools.wraps, ...)
@@ -108,12 +108,12 @@ def exercises(nb) -> set[str]:
     return names
 
 
-def lesson_imports(nb, own_modules: set[str], exercise_names: set[str]) -> types.CodeType:
-    """The import lines of the lesson's cells (not tests, not demos, not of its own modules), as
-    one code object: run before each test cell, it binds `dist`, `zero_lab`, ... to the real ones."""
+def lesson_imports(nb, own_modules: set[str], exercise_names: set[str]) -> list[types.CodeType]:
+    """The import lines of the lesson's cells (not tests, not demos, not of its own modules),
+    compiled: run before each test cell, they bind `dist`, `zero_lab`, ... to the real ones."""
     from zero_lab.course_tools.grading import is_demo  # grading imports nbgrader's gradebook: only when grading
 
-    statements = []
+    statements = []  # one code object each: an import that fails leaves the others to run
     for cell in nb.cells:
         if cell.cell_type != "code" or is_demo(cell) or TEST_CELL.match(cell.source):
             continue
@@ -124,7 +124,7 @@ def lesson_imports(nb, own_modules: set[str], exercise_names: set[str]) -> types
                 statements += [node] if node.names else []
             elif isinstance(node, ast.Import):
                 statements.append(node)
-    return compile(ast.Module(body=statements, type_ignores=[]), "<the lesson's imports>", "exec")
+    return [compile(ast.Module(body=[node], type_ignores=[]), "<the lesson's imports>", "exec") for node in statements]
 
 
 def definitions_only(source: str) -> str:
@@ -192,14 +192,17 @@ def own_functions(cls: type) -> dict[str, types.FunctionType]:
 
 
 class Guard:
+    """The grading guard of one lesson in one kernel (see the module's docstring)."""
+
     def __init__(self, shell, lesson: str, source: Path):
         nb = build.read_notebook(source)
         self.shell, self.namespace = shell, shell.user_ns
         self.modules = {f"zero_lab.{d.name}" for _, d in directives(nb, "export")}
         self.exercises = exercises(nb)
         self.imports = lesson_imports(nb, self.modules, self.exercises)
-        self.reference_files = {str(PACKAGE / f"{name.rpartition('.')[2]}.py") for name in self.modules}
-        self.solutions = str(source.parents[1]) + os.sep
+        self.reference_files = {os.path.realpath(PACKAGE / f"{name.rpartition('.')[2]}.py") for name in self.modules}
+        # The source notebooks of the graded course and of the repository zero_lab comes from.
+        self.solutions = tuple({os.path.realpath(folder) + os.sep for folder in (source.parents[1], REPO / build.SOURCE_DIR)})
         self.cells: dict[str, str] = {}  # file name IPython compiled a cell under -> its code
         self.files: dict[str, str] = {}  # any other file name -> where()
         self.test_definitions: dict[str, tuple] = {}  # name -> (object, its __code__ if a function)
@@ -253,7 +256,11 @@ class Guard:
         self.put_back_modules()
         launcher.restore_as_imported()
         launcher.restore_always = True
-        exec(self.imports, self.namespace)
+        for statement in self.imports:
+            try:
+                exec(statement, self.namespace)
+            except Exception:  # as in the notebook's own cell, which said so
+                pass
         for name, (value, code) in self.test_definitions.items():
             self.namespace[name] = value
             if code is not None:
@@ -298,10 +305,11 @@ class Guard:
             # Code compiled under a cell's name from other text does not start where the cell does.
             return "cell" if starts_at(self.cells[filename], code) else "text"
         if filename not in self.files:
-            if filename in self.reference_files or filename.startswith(self.solutions):
+            path = os.path.realpath(filename)
+            if path in self.reference_files or path.startswith(self.solutions) or path.endswith(".ipynb"):
                 self.files[filename] = "reference"
             else:
-                self.files[filename] = "library" if os.path.isfile(filename) else "text"
+                self.files[filename] = "library" if os.path.isfile(path) else "text"
         return self.files[filename]
 
     def is_reference(self, value) -> bool:
@@ -311,7 +319,7 @@ class Guard:
         if isinstance(value, functools.partial):
             value = value.func
         if isinstance(value, types.ModuleType):
-            return getattr(value, "__file__", None) in self.reference_files
+            return os.path.realpath(getattr(value, "__file__", None) or "<none>") in self.reference_files
         if isinstance(value, type):
             return any(getattr(c, "__module__", None) in self.modules or any(
                 self.where(f.__code__) == "reference" or self.where(f.__code__) == "text" and not name.startswith("__")
@@ -334,13 +342,13 @@ class Guard:
         values += [cell.cell_contents for cell in function.__closure__ or () if cell.cell_contents is not cell]
         values += list(function.__defaults__ or ()) + list((function.__kwdefaults__ or {}).values())
         for value in values:
+            if any(value is self.namespace.get(name) for name in self.exercises):
+                continue  # another exercise: its own tests judge it
             try:
                 if self.is_reference(value):
                     return getattr(value, "__qualname__", None) or getattr(value, "__name__", type(value).__name__)
             except ValueError:  # an empty closure cell
                 continue
-            if any(value is self.namespace.get(name) for name in self.exercises):
-                continue  # another exercise: its own tests judge it
             inner = [value] if isinstance(value, types.FunctionType) else \
                 list(own_functions(value).values()) if isinstance(value, type) else []
             for f in inner:
@@ -374,8 +382,9 @@ class Guard:
                 return f"class {name} subclasses {base.__module__}.{base.__qualname__}, the course's reference: write it here"
         written = {}
         for method, function in own_functions(value).items():
-            if self.where(function.__code__) == "text" and method.startswith("__"):
-                continue  # made by dataclasses, namedtuple: exec'd, but from the class body
+            where = self.where(function.__code__)
+            if where == "library" or where == "text" and method.startswith("__"):
+                continue  # made by a decorator (dataclass, total_ordering) from the class body
             if why := self.function_refusal(f"{name}.{method}()", function):
                 return why
             written[method] = function
