@@ -27,6 +27,7 @@ Under `torchrun`, call `init_distributed()` instead: it reads torchrun's environ
 
 from __future__ import annotations
 
+import builtins
 import ctypes
 import faulthandler
 import glob
@@ -129,7 +130,7 @@ def _die_with_parent() -> None:
 def _rank_main(fn, args, kwargs, rank, world_size, store_file, conn, stack_file, timeout, restore):
     global _in_rank
     if restore:
-        _restore_as_imported()
+        restore_as_imported()
     _in_rank = True
     _die_with_parent()
     os.setsid()  # a process group of its own: launch kills whatever this rank starts along with it
@@ -199,21 +200,45 @@ def launch_restored(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT
     return _launch(fn, world_size, args, kwargs, timeout, restore=True)
 
 
-def _snapshot_as_imported() -> list:
-    """(namespace, {name: callable or module}) for everything launch_restored puts back."""
-    namespaces = [dist, distributed_c10d, comm_ledger, comm_ledger.CommLedger, comm_ledger.CountingProcessGroup,
-                  dist.ProcessGroup, dist.ProcessGroupGloo, dist.Work, sys.modules[__name__]]
+# Put back by launch_restored, besides every module of zero_lab and the classes they define:
+_RESTORED_NAMESPACES = (torch, torch.Tensor, torch.nn.functional, dist, distributed_c10d, dist.ProcessGroup,
+                        dist.ProcessGroupGloo, dist.Work)
+_DESCRIPTORS = (staticmethod, classmethod, property, types.ModuleType)
+restore_always = False  # grading sets it (course_tools/grading_guard.py): every launch is launch_restored
+
+
+def _restorable(namespace, value) -> bool:
+    if namespace is builtins:  # only Python's own: IPython adds and removes names of its own there
+        return isinstance(value, (types.BuiltinFunctionType, type))
+    return callable(value) or isinstance(value, _DESCRIPTORS)
+
+
+def _zero_lab_namespaces() -> list:
+    """zero_lab's modules loaded now (not a graded lesson's stand-in, which has no file) and their classes."""
+    modules = [module for name, module in list(sys.modules.items())
+               if (name == "zero_lab" or name.startswith("zero_lab.")) and getattr(module, "__file__", None)]
+    classes = [value for module in modules for value in vars(module).values()
+               if isinstance(value, type) and value.__module__ == module.__name__]
+    return modules + classes
+
+
+def snapshot_as_imported() -> list:
+    """(namespace, {name: value}) for everything launch_restored puts back: Python's builtins,
+    torch (its functions, Tensor's methods, torch.nn.functional), torch.distributed and c10d, and
+    every module of zero_lab loaded now with its classes (the ledgers among them)."""
     with warnings.catch_warnings():  # callable() on torch.distributed.reduce_op warns that it is deprecated
         warnings.simplefilter("ignore")
-        saved = [(ns, {k: v for k, v in vars(ns).items() if callable(v) or isinstance(v, types.ModuleType)})
-                 for ns in namespaces]
+        saved = [(ns, {k: v for k, v in vars(ns).items() if _restorable(ns, v)})
+                 for ns in (builtins, *_RESTORED_NAMESPACES, *_zero_lab_namespaces())]
     main = sys.modules.get("__main__")  # the notebook: names bound to modules, e.g. `dist`
     if main is not None:
         saved.append((main, {k: v for k, v in vars(main).items() if isinstance(v, types.ModuleType)}))
     return saved
 
 
-def _restore_as_imported() -> None:
+def restore_as_imported() -> None:
+    """Put back what `snapshot_as_imported` saved last (in a rank of launch_restored; before each
+    test cell when grading)."""
     for namespace, saved in _AS_IMPORTED:
         current = vars(namespace)
         for name, value in saved.items():
@@ -221,7 +246,15 @@ def _restore_as_imported() -> None:
                 setattr(namespace, name, value)
 
 
+def retake_snapshot() -> None:
+    """Take the snapshot again (grading: once zero_lab and the modules a lesson may use are
+    imported, before any learner code)."""
+    global _AS_IMPORTED
+    _AS_IMPORTED = snapshot_as_imported()
+
+
 def _launch(fn, world_size, args, kwargs, timeout, restore):
+    restore = restore or restore_always
     if _in_rank:
         raise RuntimeError("zero_lab.launch was called inside a rank of another launch: every rank is "
                            "already a process of the group; call the function directly")
@@ -405,4 +438,4 @@ def _raise_hung(pending, procs, stack_files, timeout):
     raise RanksHung(timeout, len(procs), stuck, stacks)
 
 
-_AS_IMPORTED = _snapshot_as_imported()  # last: the functions above are part of it
+_AS_IMPORTED = snapshot_as_imported()  # last: the functions above are part of it

@@ -16,9 +16,12 @@ from zero_lab.course_tools.implementation import mine_dir
 
 
 def course_errors() -> tuple[type[Exception], ...]:
-    """The errors a command reports in one line; grading's once a command has loaded it."""
-    grading = sys.modules.get("zero_lab.course_tools.grading")
-    return (BuildError, workspace.WorkspaceError) + ((grading.GradingError,) if grading else ())
+    """The errors a command reports in one line; grading's and release's once a command has loaded them."""
+    errors = [BuildError, workspace.WorkspaceError]
+    for name, error in (("grading", "GradingError"), ("release", "ReleaseError")):
+        if (module := sys.modules.get(f"zero_lab.course_tools.{name}")) is not None:
+            errors.append(getattr(module, error))
+    return tuple(errors)
 
 
 def run_build(args) -> int:
@@ -51,6 +54,8 @@ class GradingProgress:
     TEST_CELL = re.compile(r"#\|\s*test\s+([\w-]+)")
 
     def __init__(self, notebook: Path, stream=sys.stderr):
+        from zero_lab.course_tools import build
+
         cells = build.read_notebook(notebook).cells
         self.tests = [m[1] for c in cells if c.cell_type == "code" and (m := self.TEST_CELL.match(c.source.lstrip()))]
         self.stream, self.on_terminal, self.shown = stream, stream.isatty(), 0  # tests announced so far
@@ -118,6 +123,15 @@ def run_stages(args) -> int:
     return 0
 
 
+def run_release(args) -> int:
+    from zero_lab.course_tools import release
+
+    left_out = release.student_release(REPO, args.student, args.keep_modules_before)
+    print(f"wrote the student release to {args.student} (left out {len(left_out)} files: solutions/, tests/, "
+          "reference modules)")
+    return 0
+
+
 def run_ask(args) -> int:
     print(questions.ask(args.words))
     return 0
@@ -176,6 +190,15 @@ def parser() -> argparse.ArgumentParser:
     hand_in_parser.add_argument("student", help="the student's id")
     hand_in_parser.add_argument("notebook", type=Path, help="the student's notebook")
     hand_in_parser.set_defaults(run=run_hand_in)
+
+    release_parser = commands.add_parser(
+        "release", help="instructor: the course for a closed assignment, without solutions/ and reference modules",
+        description="Copy what git tracks to DIR, less solutions/ (reference solutions, hidden tests), tests/ and "
+                    "the zero_lab/ modules the lessons generate. Grade in your own checkout.")
+    release_parser.add_argument("--student", type=Path, required=True, metavar="DIR", help="a new or empty folder")
+    release_parser.add_argument("--keep-modules-before", metavar="LESSON",
+                                help="keep the reference modules of the lessons before this one (e.g. 05_zero3)")
+    release_parser.set_defaults(run=run_release)
 
     ask_parser = commands.add_parser("ask", help="search the interview questions of lesson 08",
                                      description="Print the questions matching WORDS, their short answers and where "

@@ -1,10 +1,14 @@
 """IPython startup file for the kernels of `nbgrader autograde` (installed by sandbox.confine).
 
+In every autograde run (`zero-lab grade` and the instructor's own), before any learner code, it
+imports zero_lab and installs the grading guard (grading_guard.py) for the lesson being graded:
+the notebook's folder is the lesson's name, ZERO_LAB_COURSE_ROOT the course that holds its source.
+
 Under `zero-lab grade` (ZERO_LAB_GRADE_STATE names a folder) it writes, per student, the cell
 running now (`running-<student>`: count and source, emptied when the cell ends): the grader
 shows progress from it and, if the kernel dies, knows which cell killed it. Cells whose hash is
 listed in `skip-<student>` (killers of an earlier attempt) raise instead of running.
-Self-contained: it runs before anything is imported in the kernel.
+Otherwise self-contained: it runs before anything is imported in the kernel.
 """
 
 import hashlib
@@ -45,3 +49,8 @@ def _install(shell, state: Path, student: str) -> None:
 
 if os.environ.get("ZERO_LAB_GRADE_STATE") and "get_ipython" in globals():
     _install(get_ipython(), Path(os.environ["ZERO_LAB_GRADE_STATE"]), Path.cwd().parent.name)  # noqa: F821
+if os.environ.get("ZERO_LAB_COURSE_ROOT") and "get_ipython" in globals():
+    from zero_lab.course_tools import grading_guard
+
+    grading_guard.install(get_ipython(), Path.cwd().name, Path(os.environ["ZERO_LAB_COURSE_ROOT"]))  # noqa: F821
+    del grading_guard

@@ -8,7 +8,9 @@ confines what it can. nbgrader_config.py calls `confine` in an autograde run (th
 - on Linux nbgrader becomes a child subreaper: a process learner code started, even in a new
   session (`setsid`), is re-parented to it when its parent dies, and is killed when nbgrader
   exits;
-- the kernels get grading_kernel.py as an IPython startup file (progress, kernel death).
+- the kernels get grading_kernel.py as an IPython startup file (progress, kernel death, and the
+  grading guard: a grade only for the learner's own code, grading_guard.py); earlier lessons'
+  modules are the reference (ZERO_LAB_IMPL=reference).
 
 It is no security boundary: a notebook can still read and write what the grader can.
 """
@@ -36,7 +38,8 @@ def confine(course_root: str | Path) -> None:
     startup.mkdir(parents=True)
     tmp.mkdir()
     shutil.copy(Path(__file__).with_name("grading_kernel.py"), startup / "00-zero-lab-grading.py")
-    os.environ.update(HOME=str(home), TMPDIR=str(tmp), IPYTHONDIR=str(home / ".ipython"), ZERO_LAB_CONFINED="1")
+    os.environ.update(HOME=str(home), TMPDIR=str(tmp), IPYTHONDIR=str(home / ".ipython"), ZERO_LAB_CONFINED="1",
+                      ZERO_LAB_COURSE_ROOT=str(Path(course_root).resolve()), ZERO_LAB_IMPL="reference")
     if hasattr(os, "sched_getaffinity"):  # Linux
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     atexit.register(clean_up, scratch)
