@@ -184,7 +184,8 @@ class BucketedDDP(nn.Module):
             raise RuntimeError(
                 f"parameters {missing} got no gradient in this backward pass, so their buckets "
                 "cannot be all-reduced. If the model skips some parameters in some steps, use "
-                "BucketedDDP(module, find_unused_parameters=True)."
+                "BucketedDDP(module, find_unused_parameters=True) (or zero_lab.prepare(..., stage=0, "
+                "find_unused_parameters=True)): as with torch.optim, those no rank used are not updated."
             )
 
     def _unused_on_every_rank(self) -> set:

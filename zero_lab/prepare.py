@@ -17,6 +17,8 @@ Options besides the optimizer's own (lr, betas, weight_decay, ...):
     params=         tensors or param-group dicts, as torch.optim takes them (default: all of the model's)
     param_dtype=    compute dtype, torch.bfloat16 for mixed precision (fp32 masters kept)
     max_grad_norm=  stages 1-3: clip the global gradient norm in optimizer.step()
+    find_unused_parameters=  stages 0-2, as torch's DDP: True lets a step leave parameters without gradient
+                    (they are not updated, as with torch.optim); False (default) makes that an error
     bucket_numel=   stage 2: elements per gradient bucket
     units=, prefetch=, max_live_numel=, reshard_last=, init_fn=
                     stage 3: sharding units, prefetch depth and cap, meta-device init (zero_lab.zero3)
@@ -52,8 +54,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 MODULES = {0: "zero_lab.ddp", 1: "zero_lab.zero1", 2: "zero_lab.zero2", 3: "zero_lab.zero3"}
 LESSONS = {0: "02_ddp", 1: "03_zero1", 2: "04_zero2", 3: "05_zero3"}
 OFFLOAD_OPTIONS = {"offload", "dpu_warmup_steps", "cpu_adam", "adam_threads"}
-ZERO_OPTIONS = {0: {"param_dtype"}, 1: {"param_dtype", "max_grad_norm", *OFFLOAD_OPTIONS},
-                2: {"param_dtype", "max_grad_norm", "bucket_numel", *OFFLOAD_OPTIONS},
+ZERO_OPTIONS = {0: {"param_dtype", "find_unused_parameters"},
+                1: {"param_dtype", "max_grad_norm", "find_unused_parameters", *OFFLOAD_OPTIONS},
+                2: {"param_dtype", "max_grad_norm", "bucket_numel", "find_unused_parameters", *OFFLOAD_OPTIONS},
                 3: {"param_dtype", "max_grad_norm", "units", "prefetch", "max_live_numel", "reshard_last", "init_fn"}}
 OFFLOAD_MODULE, OFFLOAD_LESSON = "zero_lab.offload", "06_offload"
 PARAM_DTYPES = (torch.float32, torch.bfloat16)
@@ -80,13 +83,14 @@ def prepare(model: torch.nn.Module, optimizer_class: type, stage: int = 0, *, pa
     _warn_about_batch_norm(model)
     previous = _prepared.pop(model, None)
     if previous is not None:  # prepared before (a re-run cell): start afresh
-        for handle in getattr(previous, "hook_handles", []):
+        for handle in [*getattr(previous, "hook_handles", []), *getattr(previous, "model_hooks", [])]:
             handle.remove()  # they would reduce every gradient again, or hand the new optimizer zeros
         if hasattr(previous, "unshard_model"):  # stage 3 sharded the model in place: whole parameters again
             previous.unshard_model()
         model.zero_grad(set_to_none=True)  # views into the old optimizer's buffers
     if stage == 0:
-        wrapped, optimizer = _prepare_ddp(module, model, optimizer_class, params, param_dtype, options)
+        wrapped, optimizer = _prepare_ddp(module, model, optimizer_class, params, param_dtype, options,
+                                          zero_options.get("find_unused_parameters", False))
         _prepared[model] = wrapped
     else:
         optimizer_type = (module.OFFLOAD_OPTIMIZERS[stage] if offload
@@ -98,8 +102,8 @@ def prepare(model: torch.nn.Module, optimizer_class: type, stage: int = 0, *, pa
     return wrapped, optimizer
 
 
-def _prepare_ddp(ddp, model, optimizer_class, params, param_dtype, options):
-    model = ddp.BucketedDDP(model)  # broadcasts rank 0's weights first
+def _prepare_ddp(ddp, model, optimizer_class, params, param_dtype, options, find_unused_parameters):
+    model = ddp.BucketedDDP(model, find_unused_parameters=find_unused_parameters)  # broadcasts rank 0's weights first
     params = ddp.trainable_parameters(model) if params is None else params
     if param_dtype is None:
         return model, optimizer_class(params, **options)
