@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sharded_training import ADAMW, GLOBAL_BATCH, SIZES, assert_close, mlp_batches, mlp_loss, train, weights
-from zero_lab import launch
+from zero_lab import launch, load_checkpoint, save_checkpoint
 from zero_lab.data import regression_batches, shard_batch
 from zero_lab.models import MLP
 from zero_lab.prepare import prepare
@@ -133,3 +133,203 @@ def _unused_without_the_option(stage, offload):
 def test_parameter_without_gradient_names_find_unused_parameters(stage, offload):
     with pytest.raises(Exception, match=r"find_unused_parameters=True"):
         launch(_unused_without_the_option, 2, stage, offload, timeout=60)
+
+
+def _reference(warmup_steps=None, make_scheduler=None, load=None):
+    """One process, AdamW on the whole batch; with warmup_steps, lesson 06's delayed algorithm (the
+    gradients of step t come from the parameters of step t - 2 once past the warm-up); with
+    load=(k, state), model.load_state_dict(state) after step k."""
+    model, master = MLP(SIZES, seed=0), MLP(SIZES, seed=0)
+    optimizer = torch.optim.AdamW(master.parameters(), **ADAMW)
+    scheduler = make_scheduler(optimizer) if make_scheduler else None
+    delays = warmup_steps is not None
+
+    def upload():
+        model.load_state_dict(master.state_dict())
+
+    for step, batch in enumerate(mlp_batches(), start=1):
+        mlp_loss(model, batch).backward()
+        for p, q in zip(model.parameters(), master.parameters()):
+            q.grad, p.grad = p.grad, None
+        if delays and step > warmup_steps:
+            upload()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        optimizer.zero_grad()
+        if not delays or step <= warmup_steps:
+            upload()
+        if load is not None and step == load[0]:
+            master.load_state_dict(load[1])
+            upload()
+    upload()
+    return weights(model)
+
+
+def _lambda_lr(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))
+
+
+def _one_cycle(optimizer):  # changes lr and Adam's beta1 every step
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-2, total_steps=len(mlp_batches()))
+
+
+SCHEDULERS = {"LambdaLR": _lambda_lr, "OneCycleLR": _one_cycle}
+
+
+def _train_with_scheduler(options, scheduler):
+    model, optimizer = prepare(MLP(SIZES, seed=0), torch.optim.AdamW, **options, **ADAMW)
+    train(model, optimizer, mlp_batches(), mlp_loss, scheduler=SCHEDULERS[scheduler](optimizer))
+    return _flushed_weights(model, optimizer)
+
+
+@pytest.mark.parametrize("stage, world_size, scheduler, cpu_adam",
+                         [(1, 2, "LambdaLR", "compiled"), (2, 3, "OneCycleLR", "torch"), (2, 2, "LambdaLR", "torch")])
+def test_delayed_update_uses_the_options_of_its_own_step(stage, world_size, scheduler, cpu_adam):
+    """The scheduler steps right after optimizer.step() returns, while the delayed update still runs."""
+    expected = _reference(warmup_steps=1, make_scheduler=SCHEDULERS[scheduler])
+    options = dict(stage=stage, offload="cpu", dpu_warmup_steps=1, cpu_adam=cpu_adam)
+    for _ in range(3):  # it was a race: try it more than once
+        assert_close(launch(_train_with_scheduler, world_size, options, scheduler, timeout=90), expected)
+
+
+LOAD_SETUPS = {
+    "stage 1, bf16": dict(stage=1, param_dtype=torch.bfloat16),
+    "stage 2, bf16": dict(stage=2, param_dtype=torch.bfloat16, bucket_numel=20),
+    "stage 1, offload": dict(stage=1, offload="cpu"),
+    "stage 2, offload, DPU": dict(stage=2, offload="cpu", bucket_numel=20, dpu_warmup_steps=2),
+}
+
+
+def _other_weights():
+    return {name: p.detach().clone() for name, p in MLP(SIZES, seed=7).named_parameters()}
+
+
+def _load_after_prepare(options, load_after=4):
+    model, optimizer = prepare(MLP(SIZES, seed=0), torch.optim.AdamW, **options, **ADAMW)
+    batches = mlp_batches()
+    train(model, optimizer, batches[:load_after], mlp_loss)
+    model.load_state_dict(_other_weights())
+    masters = optimizer.consolidated_state_dict(dst=0)
+    train(model, optimizer, batches[load_after:], mlp_loss)
+    return (masters or {}).get("model"), _flushed_weights(model, optimizer)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("setup", LOAD_SETUPS)
+def test_model_load_state_dict_after_prepare_sets_the_weights(setup, world_size):
+    """The fp32 masters (on the host with offload) take the loaded values exactly, and training goes
+    on from them as one process does after model.load_state_dict."""
+    options = LOAD_SETUPS[setup]
+    results = launch(_load_after_prepare, world_size, options, timeout=90)
+    other = _other_weights()
+    for name, value in other.items():
+        assert torch.equal(results[0][0][name], value), f"{name}: the master is not the loaded value"
+    if "param_dtype" not in options:  # fp32: as one process, to fp32 rounding
+        expected = _reference(warmup_steps=options.get("dpu_warmup_steps"), load=(4, other))
+        assert_close([w for _, w in results], expected)
+
+
+CHECKPOINT_SETUPS = {  # (options, steps before saving)
+    "stage 1, offload, DPU, saved while delayed": (dict(stage=1, dpu_warmup_steps=2), 5),
+    "stage 2, offload, DPU, saved during warm-up": (dict(stage=2, bucket_numel=20, dpu_warmup_steps=6), 4),
+    "stage 2, offload, DPU from the start": (dict(stage=2, bucket_numel=20, dpu_warmup_steps=0), 3),
+}
+
+
+def _dpu_run(options, save_at=None, path=None, resume=False):
+    """Train; with save_at, call state_dict() there (and write it to path if given); with resume,
+    start instead from path's files, in these fresh processes."""
+    rank, batches = dist.get_rank(), mlp_batches()
+    options = dict(offload="cpu", param_dtype=torch.bfloat16, **options, **ADAMW)
+    model, optimizer = prepare(MLP(SIZES, seed=123 if resume else 0), torch.optim.AdamW, **options)
+    if resume:
+        state = load_checkpoint(f"{path}/rank{rank}.pt")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        train(model, optimizer, batches[save_at:], mlp_loss)
+        return _flushed_weights(model, optimizer)
+    train(model, optimizer, batches[:save_at], mlp_loss)
+    if save_at is not None:
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        if path is not None:
+            save_checkpoint(state, f"{path}/rank{rank}.pt")
+            return None
+        train(model, optimizer, batches[save_at:], mlp_loss)
+    return _flushed_weights(model, optimizer)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("setup", CHECKPOINT_SETUPS)
+def test_dpu_checkpoint_resumes_bit_for_bit_and_saving_changes_nothing(setup, world_size, tmp_path):
+    options, save_at = CHECKPOINT_SETUPS[setup]
+    straight = launch(_dpu_run, world_size, options, timeout=90)
+    saved_on_the_way = launch(_dpu_run, world_size, options, save_at, timeout=90)
+    launch(_dpu_run, world_size, options, save_at, str(tmp_path), timeout=90)
+    resumed = launch(_dpu_run, world_size, options, save_at, str(tmp_path), True, timeout=90)
+    for rank in range(world_size):
+        for name, value in straight[rank].items():
+            assert torch.equal(saved_on_the_way[rank][name], value), f"rank {rank}, {name}: saving changed the run"
+            assert torch.equal(resumed[rank][name], value), f"rank {rank}, {name}: the resumed run differs"
+
+
+CONSOLIDATE_SETUPS = {
+    "stage 1": dict(stage=1),
+    "stage 2": dict(stage=2, bucket_numel=20),
+    "stage 1, offload": dict(stage=1, offload="cpu", cpu_adam="torch"),
+    "stage 2, offload": dict(stage=2, offload="cpu", bucket_numel=20, cpu_adam="torch"),
+}
+
+
+def _new_model(model_class, seed):
+    return TwoHeads(seed) if model_class is TwoHeads else MLP(SIZES, seed=seed)
+
+
+def _consolidate(options, steps, model_class, unused):
+    model, optimizer = prepare(_new_model(model_class, 0), torch.optim.AdamW, find_unused_parameters=unused, **options, **ADAMW)
+    if model_class is TwoHeads:
+        _train_two_heads(model, optimizer, steps=steps)
+    else:
+        train(model, optimizer, mlp_batches()[:steps], mlp_loss)
+    buffer = io.BytesIO()
+    torch.save(optimizer.consolidated_state_dict(dst=0), buffer)  # as a file would
+    return buffer.getvalue()
+
+
+def _continue_from(options, full_bytes, steps, model_class, unused):
+    full = torch.load(io.BytesIO(full_bytes))
+    model, optimizer = prepare(_new_model(model_class, 5), torch.optim.AdamW, find_unused_parameters=unused, **options, **ADAMW)
+    model.load_state_dict(full["model"])
+    optimizer.load_state_dict(full["optimizer"])
+    if model_class is TwoHeads:
+        _train_two_heads(model, optimizer, steps=len(BRANCHES) - steps, first=steps)
+    else:
+        train(model, optimizer, mlp_batches()[steps:], mlp_loss)
+    return _flushed_weights(model, optimizer)
+
+
+@pytest.mark.parametrize("saved_on, loaded_on", [(3, 2), (2, 3)])
+@pytest.mark.parametrize("setup", CONSOLIDATE_SETUPS)
+def test_consolidated_state_loads_at_another_world_size(setup, saved_on, loaded_on):
+    options = CONSOLIDATE_SETUPS[setup]
+    full = launch(_consolidate, saved_on, options, 4, MLP, False, timeout=90)[0]
+    results = launch(_continue_from, loaded_on, options, full, 4, MLP, False, timeout=90)
+    assert_close(results, _reference())
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_consolidated_state_keeps_each_parameter_s_step_count(stage):
+    """Heads skipped in some steps have their own Adam step counts: through consolidation, at another
+    world size, and into plain torch.optim.AdamW."""
+    options = CONSOLIDATE_SETUPS[f"stage {stage}"]
+    full = launch(_consolidate, 3, options, 6, TwoHeads, True, timeout=90)[0]
+    results = launch(_continue_from, 2, options, full, 6, TwoHeads, True, timeout=90)
+    expected = _single_process_two_heads()
+    assert_close(results, expected)
+    state = torch.load(io.BytesIO(full))
+    model = TwoHeads(seed=5)
+    model.load_state_dict(state["model"])
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    optimizer.load_state_dict(state["optimizer"])
+    _train_two_heads(model, optimizer, steps=len(BRANCHES) - 6, first=6)
+    assert_close([weights(model)], expected)
