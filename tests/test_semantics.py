@@ -194,6 +194,7 @@ def test_delayed_update_uses_the_options_of_its_own_step(stage, world_size, sche
 
 
 LOAD_SETUPS = {
+    "stage 0, bf16": dict(stage=0, param_dtype=torch.bfloat16),
     "stage 1, bf16": dict(stage=1, param_dtype=torch.bfloat16),
     "stage 2, bf16": dict(stage=2, param_dtype=torch.bfloat16, bucket_numel=20),
     "stage 1, offload": dict(stage=1, offload="cpu"),
@@ -209,10 +210,18 @@ def _load_after_prepare(options, load_after=4):
     model, optimizer = prepare(MLP(SIZES, seed=0), torch.optim.AdamW, **options, **ADAMW)
     batches = mlp_batches()
     train(model, optimizer, batches[:load_after], mlp_loss)
-    model.load_state_dict(_other_weights())
-    masters = optimizer.consolidated_state_dict(dst=0)
+    getattr(model, "module", model).load_state_dict(_other_weights())  # stage 0: DDP's wrapper holds it
+    masters = _fp32_weights(model, optimizer)
     train(model, optimizer, batches[load_after:], mlp_loss)
-    return (masters or {}).get("model"), _flushed_weights(model, optimizer)
+    return masters, _flushed_weights(model, optimizer)
+
+
+def _fp32_weights(model, optimizer):
+    """The fp32 weights the optimizer updates (rank 0: all of them; None elsewhere)."""
+    if hasattr(optimizer, "master_of"):  # stage 0 with bf16: lesson 02's MasterWeightOptimizer
+        return {name: optimizer.master_of[id(p)].clone() for name, p in model.module.named_parameters()}
+    full = optimizer.consolidated_state_dict(dst=0)
+    return full and full["model"]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

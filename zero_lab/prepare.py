@@ -111,7 +111,10 @@ def _prepare_ddp(ddp, model, optimizer_class, params, param_dtype, options, find
     if params and isinstance(params[0], dict):
         raise ValueError("stage 0 with param_dtype (lesson 02's MasterWeightOptimizer) takes one list of "
                          "parameters, not param groups: use stage=1 for param groups with mixed precision")
-    return model, ddp.MasterWeightOptimizer(params, optimizer_class, **options)
+    optimizer = ddp.MasterWeightOptimizer(params, optimizer_class, **options)
+    from zero_lab.optim import write_through_loads  # model.load_state_dict must reach the fp32 masters
+    model.hook_handles.append(write_through_loads(model.module, optimizer.write_master))
+    return model, optimizer
 
 
 def _check_setup(model, optimizer_class, stage) -> None:
