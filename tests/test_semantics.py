@@ -135,10 +135,10 @@ def test_parameter_without_gradient_names_find_unused_parameters(stage, offload)
         launch(_unused_without_the_option, 2, stage, offload, timeout=60)
 
 
-def _reference(warmup_steps=None, make_scheduler=None, load=None):
+def _reference(warmup_steps=None, make_scheduler=None, change=None):
     """One process, AdamW on the whole batch; with warmup_steps, lesson 06's delayed algorithm (the
     gradients of step t come from the parameters of step t - 2 once past the warm-up); with
-    load=(k, state), model.load_state_dict(state) after step k."""
+    change=(k, fn), fn(model) after step k."""
     model, master = MLP(SIZES, seed=0), MLP(SIZES, seed=0)
     optimizer = torch.optim.AdamW(master.parameters(), **ADAMW)
     scheduler = make_scheduler(optimizer) if make_scheduler else None
@@ -159,8 +159,8 @@ def _reference(warmup_steps=None, make_scheduler=None, load=None):
         optimizer.zero_grad()
         if not delays or step <= warmup_steps:
             upload()
-        if load is not None and step == load[0]:
-            master.load_state_dict(load[1])
+        if change is not None and step == change[0]:
+            change[1](master)
             upload()
     upload()
     return weights(model)
@@ -235,7 +235,7 @@ def test_model_load_state_dict_after_prepare_sets_the_weights(setup, world_size)
     for name, value in other.items():
         assert torch.equal(results[0][0][name], value), f"{name}: the master is not the loaded value"
     if "param_dtype" not in options:  # fp32: as one process, to fp32 rounding
-        expected = _reference(warmup_steps=options.get("dpu_warmup_steps"), load=(4, other))
+        expected = _reference(warmup_steps=options.get("dpu_warmup_steps"), change=(4, lambda m: m.load_state_dict(other)))
         assert_close([w for _, w in results], expected)
 
 
@@ -342,3 +342,31 @@ def test_consolidated_state_keeps_each_parameter_s_step_count(stage):
     optimizer.load_state_dict(state["optimizer"])
     _train_two_heads(model, optimizer, steps=len(BRANCHES) - 6, first=6)
     assert_close([weights(model)], expected)
+
+
+@torch.no_grad()
+def _halve(model):
+    for p in model.parameters():
+        p.mul_(0.5)
+
+
+def _edit_after_prepare(options, edit_after=4):
+    model, optimizer = prepare(MLP(SIZES, seed=0), torch.optim.AdamW, **options, **ADAMW)
+    batches = mlp_batches()
+    train(model, optimizer, batches[:edit_after], mlp_loss)
+    _halve(model)
+    train(model, optimizer, batches[edit_after:], mlp_loss)
+    return _flushed_weights(model, optimizer)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_weights_edited_in_place_after_prepare_are_kept_with_offload(stage, world_size):
+    options = dict(stage=stage, offload="cpu", **({"bucket_numel": 20} if stage == 2 else {}))
+    results = launch(_edit_after_prepare, world_size, options, timeout=90)
+    assert_close(results, _reference(change=(4, _halve)))
+
+
+def test_in_place_edit_during_a_delayed_update_names_flush():
+    with pytest.raises(Exception, match=r"optimizer.flush\(\) before editing"):
+        launch(_edit_after_prepare, 2, dict(stage=2, offload="cpu", dpu_warmup_steps=1), timeout=60)

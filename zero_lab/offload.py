@@ -464,6 +464,17 @@ class _Offload:
     def _before_load(self) -> None:  # model.load_state_dict: the loaded weights come after every update
         self.flush()
 
+    def _own_weights(self, group: FlatGroup) -> torch.Tensor:
+        return self.link.to_host(group.flat_param[slice(*group.layout.shard(self.rank))])
+
+    def _adopt_edited_weights(self) -> None:
+        edited = any(self._edited(g, versions) for g, versions in zip(self.groups, self.weight_versions))
+        if edited and self.schedule.pending is not None:
+            raise RuntimeError("parameters were changed in place while a delayed update (DPU) was pending: the device "
+                               "holds older parameters than the host, so the edit cannot be told from the update. Call "
+                               "optimizer.flush() before editing them, or set them with model.load_state_dict(...)")
+        super()._adopt_edited_weights()
+
     def state_dict(self) -> dict:
         """Lesson 03's, plus the schedule: saving does not change the run, and a resumed run goes on
         exactly, warm-up and delay included (with DPU, the device's older parameters are saved too)."""
@@ -507,6 +518,7 @@ class _Offload:
                 all_gather_params(group.flat_param, shard.to(group.flat_param.device))
             self.schedule.pending = Future()
             self.schedule.pending.set_result(None)  # the next step uploads the loaded masters
+        self._note_weights()  # the weights just loaded are no edit
 
     def consolidated_state_dict(self, dst: int = 0) -> dict | None:
         self._finish_update()

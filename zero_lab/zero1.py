@@ -316,11 +316,15 @@ class Zero1Optimizer(ShardedCheckpoint, OptimizerOverCopies):
         names = {id(p): name for name, p in model.named_parameters()}
         self.unused = UnusedParameters(self.groups, self.rank, {p: names.get(id(p), "?") for g in self.groups for p in g.params},
                                        find_unused_parameters)
+        self.stepping = False  # inside step(): then the inner optimizer's step is this step's update
+        self.register_step_pre_hook(self._enter_step)
+        self.register_step_post_hook(self._leave_step)
         self.optimizer.register_step_pre_hook(self._before_update)
         self.optimizer.register_step_post_hook(self._after_update)
         self.master_offsets = {id(p): (group, offset) for group in self.groups
                                for p, offset in zip(group.params, accumulate([0] + [q.numel() for q in group.params]))}
         self.model_hooks = [*self.unused.handles, write_through_loads(model, self._write_master, self._before_load)]
+        self._note_weights()
 
     def _flatten_group(self, params, param_dtype) -> FlatGroup:
         flat, layout = flatten_params_(params, self.world_size)
@@ -331,8 +335,40 @@ class Zero1Optimizer(ShardedCheckpoint, OptimizerOverCopies):
                 p.data = view
         return FlatGroup(params, layout, compute_flat, master, self._new_flat_grad(compute_flat, params))
 
+    def _enter_step(self, optimizer, args, kwargs) -> None:
+        self.stepping = True
+        self._adopt_edited_weights()
+
+    def _leave_step(self, optimizer, args, kwargs) -> None:
+        self.stepping = False
+        self._note_weights()
+
+    def _note_weights(self) -> None:
+        """Each parameter's version counter now: an in-place edit (with torch.no_grad(): p.mul_(...))
+        increments it, as autograd's checks rely on; this optimizer's writes into the flat buffer do not."""
+        self.weight_versions = [[p._version for p in g.params] for g in self.groups]
+
+    def _edited(self, group: FlatGroup, versions: list[int]) -> bool:
+        return any(p._version != version for p, version in zip(group.params, versions))
+
+    @torch.no_grad()
+    def _adopt_edited_weights(self) -> None:
+        """Parameters edited in place since the last step: the masters take the edited elements of this
+        rank's shard (the next step would otherwise write the masters over them)."""
+        for group, versions in zip(self.groups, self.weight_versions):
+            if self._edited(group, versions):
+                own = self._own_weights(group)
+                edited = own != group.master.to(own.dtype)
+                group.master[edited] = own[edited].to(group.master.dtype)
+        self._note_weights()
+
+    def _own_weights(self, group: FlatGroup) -> torch.Tensor:
+        """This rank's shard of the model's weights, where its master is (lesson 06: on the host)."""
+        return group.flat_param[slice(*group.layout.shard(self.rank))]
+
     def _before_update(self, optimizer, args, kwargs) -> None:
-        self.skipped = self.unused.before(self.unused.plan(), optimizer, [g.master.grad for g in self.groups])
+        plan = self.unused.plan() if self.stepping else None  # not when the inner optimizer is stepped by hand
+        self.skipped = self.unused.before(plan, optimizer, [g.master.grad for g in self.groups])
 
     def _after_update(self, optimizer, args, kwargs) -> None:
         self.unused.after(optimizer, self.skipped)
