@@ -131,7 +131,8 @@ def test_param_groups_frozen_and_tied_parameters():
 def _partly_unused(stage):
     torch.manual_seed(0)
     model = torch.nn.ModuleDict(dict(used=torch.nn.Linear(4, 3), unused=torch.nn.Linear(3, 3)))
-    model, optimizer = prepare(model, torch.optim.AdamW, stage=stage, lr=0.1, **({"bucket_numel": 5} if stage == 2 else {}))
+    model, optimizer = prepare(model, torch.optim.AdamW, stage=stage, lr=0.1, find_unused_parameters=True,
+                               **({"bucket_numel": 5} if stage == 2 else {}))
     x = shard_batch(torch.linspace(-1, 1, 24).reshape(6, 4), dist.get_rank(), dist.get_world_size())
     for _ in range(3):
         model["used"](x).pow(2).mean().backward()  # the second Linear never gets a gradient
@@ -140,8 +141,13 @@ def _partly_unused(stage):
     return weights(model)
 
 
-def test_unused_parameters_are_reduced_as_zeros_like_stage_1():
-    assert_close(launch(_partly_unused, 3, 2, timeout=60), launch(_partly_unused, 3, 1, timeout=60)[0])
+def test_unused_parameters_stay_as_they_are_like_stage_1():
+    stage1 = launch(_partly_unused, 3, 1, timeout=60)[0]
+    assert_close(launch(_partly_unused, 3, 2, timeout=60), stage1)
+    torch.manual_seed(0)
+    torch.nn.Linear(4, 3)
+    unused = torch.nn.Linear(3, 3)  # as _partly_unused made it: torch.optim never updates it
+    assert torch.equal(stage1["unused.weight"], unused.weight.detach()) and torch.equal(stage1["unused.bias"], unused.bias.detach())
 
 
 def _train_with_checkpoint(stop_after, param_dtype):

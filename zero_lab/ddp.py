@@ -184,7 +184,8 @@ class BucketedDDP(nn.Module):
             raise RuntimeError(
                 f"parameters {missing} got no gradient in this backward pass, so their buckets "
                 "cannot be all-reduced. If the model skips some parameters in some steps, use "
-                "BucketedDDP(module, find_unused_parameters=True)."
+                "BucketedDDP(module, find_unused_parameters=True) (or zero_lab.prepare(..., stage=0, "
+                "find_unused_parameters=True)): as with torch.optim, those no rank used are not updated."
             )
 
     def _unused_on_every_rank(self) -> set:
@@ -209,6 +210,7 @@ class MasterWeightOptimizer(OptimizerOverCopies):
     def __init__(self, params, optimizer_class=torch.optim.AdamW, **optimizer_kwargs):
         self.model_params = [p for p in params if p.requires_grad]
         self.master_params = [p.detach().float() for p in self.model_params]
+        self.master_of = {id(p): master for p, master in zip(self.model_params, self.master_params)}
         super().__init__(optimizer_class(self.master_params, **optimizer_kwargs))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -228,6 +230,13 @@ class MasterWeightOptimizer(OptimizerOverCopies):
             param.copy_(master)  # round to the model's precision
             master.grad = None  # the fp32 gradient copies were only needed for the update
         return loss
+
+    @torch.no_grad()
+    def write_master(self, param, value: torch.Tensor) -> None:
+        """Give `param`'s fp32 master a loaded value: zero_lab.prepare sends model.load_state_dict here,
+        which would otherwise be undone by the next step (it copies the masters into the model)."""
+        if id(param) in self.master_of:
+            self.master_of[id(param)].copy_(value)
 
     def state_dict(self) -> dict:
         """The fp32 masters too: the bf16 model alone would lose their low bits on resume."""

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from zero_lab.memory_ledger import record_transfer
-from zero_lab.zero1 import FlatGroup, Zero1Optimizer
+from zero_lab.zero1 import FlatGroup, Zero1Optimizer, all_gather_params
 from zero_lab.zero2 import Bucket, Zero2Optimizer
 
 
@@ -390,6 +390,11 @@ class _Offload:
         self.adam = (compiled_adam_ if compiled else cpu_adam_) if runs_adamw else None  # None: torch's own step
         self.schedule = DelayedUpdate(self._update, self._upload, dpu_warmup_steps)
         self.gradients_sent = False
+        # The host update runs on its own copy of the param groups, with the options that step() found
+        # (a delayed update runs after step() has returned, when an LR scheduler has changed them for the
+        # next step), over the same masters and state.
+        self.host_optimizer = type(self.optimizer)([{**g, "params": list(g["params"])} for g in self.optimizer.param_groups])
+        self.step_inputs = {}  # id of a gradient buffer list -> (options, unused plan) of the step it feeds
 
     def _flatten_group(self, params, param_dtype) -> FlatGroup:
         group = super()._flatten_group(params, param_dtype)
@@ -405,6 +410,9 @@ class _Offload:
     def step(self, closure=None):
         """One optimizer step (_step); as with torch.optim, a closure re-evaluates the loss first."""
         loss = self.evaluate_closure(closure)
+        options = [{k: v.clone() if torch.is_tensor(v) else v for k, v in g.items() if k != "params"}
+                   for g in self.optimizer.param_groups]
+        self.step_inputs[id(self.host_grads)] = (options, self.unused.plan())  # _step hands host_grads over
         self._step()
         self.gradients_sent = False  # stage 1: the next step reduces and sends its own gradients
         return loss
@@ -432,16 +440,21 @@ class _Offload:
         self.schedule.flush()
 
     def _update(self, grads: list[torch.Tensor]) -> None:
-        with self._span("host", "update"):
-            masters = [g.master for g in self.groups]
+        options, plan = self.step_inputs[id(grads)]  # as they were when step() was called
+        optimizer = self.host_optimizer
+        optimizer.state = self.optimizer.state  # one state (load_state_dict replaces the dict)
+        for group, frozen in zip(optimizer.param_groups, options):
+            group.update(frozen)
+        masters = [g.master for g in self.groups]
+        with self._span("host", "update"), self.unused.applied(plan, optimizer, grads):
             if self.adam is not None:
-                host_update(self.optimizer, masters, grads, self.pool, self.adam)
-                return
-            for master, grad in zip(masters, grads):
-                master.grad = grad
-            self.optimizer.step()
-            for master in masters:
-                master.grad = None
+                host_update(optimizer, masters, grads, self.pool, self.adam)
+            else:
+                for master, grad in zip(masters, grads):
+                    master.grad = grad
+                optimizer.step()
+                for master in masters:
+                    master.grad = None
 
     def _upload(self) -> None:
         with self._span("device", "upload, all-gather"):
@@ -461,9 +474,34 @@ class _Offload:
             grad.mul_(scale)
         return norm
 
+    def _finish_update(self) -> None:
+        """Wait for a delayed update but leave its upload to the next step, as if nothing had happened."""
+        if self.schedule.pending is not None:
+            self.schedule.pending.result()
+
+    def _before_load(self) -> None:  # model.load_state_dict: the loaded weights come after every update
+        self.flush()
+
+    def _own_weights(self, group: FlatGroup) -> torch.Tensor:
+        return self.link.to_host(group.flat_param[slice(*group.layout.shard(self.rank))])
+
+    def _adopt_edited_weights(self) -> None:
+        edited = any(self._edited(g, versions) for g, versions in zip(self.groups, self.weight_versions))
+        if edited and self.schedule.pending is not None:
+            raise RuntimeError("parameters were changed in place while a delayed update (DPU) was pending: the device "
+                               "holds older parameters than the host, so the edit cannot be told from the update. Call "
+                               "optimizer.flush() before editing them, or set them with model.load_state_dict(...)")
+        super()._adopt_edited_weights()
+
     def state_dict(self) -> dict:
-        self.flush()  # a delayed update belongs to the checkpoint
-        return super().state_dict()
+        """Lesson 03's, plus the schedule: saving does not change the run, and a resumed run goes on
+        exactly, warm-up and delay included (with DPU, the device's older parameters are saved too)."""
+        self._finish_update()  # the delayed update belongs to the checkpoint; its upload stays pending
+        state = super().state_dict()
+        delayed = self.schedule.pending is not None
+        state["schedule"] = {"steps": self.schedule.steps, "device_params": [
+            g.flat_param[slice(*g.layout.shard(self.rank))].clone() for g in self.groups] if delayed else None}
+        return state
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -475,7 +513,11 @@ class _Offload:
         flat_param; the saved shard goes up into it, the all-gather runs on the device, and the host
         master takes the saved fp32 values.
         """
-        self.flush()
+        if "world_size" not in state:  # a consolidated state: optimizer states only (lesson 03)
+            self.flush()
+            return super().load_state_dict(state)
+        self._finish_update()
+        self.schedule.pending = None  # replaced by what the checkpoint says
         host_masters = [group.master for group in self.groups]
         for group, master in zip(self.groups, host_masters):
             start = group.layout.shard(self.rank)[0]
@@ -487,9 +529,17 @@ class _Offload:
                 group.master = master
         for master, saved in zip(host_masters, state["masters"]):
             master.copy_(saved)
+        schedule = state.get("schedule", {"steps": 0, "device_params": None})
+        self.schedule.steps = schedule["steps"]  # the warm-up is not repeated
+        if schedule["device_params"] is not None:  # saved between a delayed update and its upload
+            for group, shard in zip(self.groups, schedule["device_params"]):
+                all_gather_params(group.flat_param, shard.to(group.flat_param.device))
+            self.schedule.pending = Future()
+            self.schedule.pending.set_result(None)  # the next step uploads the loaded masters
+        self._note_weights()  # the weights just loaded are no edit
 
     def consolidated_state_dict(self, dst: int = 0) -> dict | None:
-        self.flush()
+        self._finish_update()
         return super().consolidated_state_dict(dst)
 
     def model_state_tensors(self, placement: str | None = None) -> dict[str, list[torch.Tensor]]:

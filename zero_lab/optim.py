@@ -16,6 +16,7 @@ optimizer holding them, which computes the global norm over the shards and clips
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -102,3 +103,179 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
     if error_if_nonfinite and not torch.isfinite(total_norm):
         raise RuntimeError(f"the total norm of the gradients is {total_norm.item()}: not finite")
     return total_norm
+
+
+class UnusedParameters:
+    """torch.optim's rule for a parameter that got no gradient, kept by optimizers over flat shards.
+
+    torch.optim skips a parameter whose .grad is None: no weight decay, no change to its moments or
+    to its step count. A flat shard is updated as one tensor, so the ZeRO optimizers learn which
+    parameters got a gradient since the last step (a post-accumulate-grad hook on each) and, at step():
+    - by default, as torch's DDP, a parameter without gradient on this rank is an error that names
+      find_unused_parameters=True: nothing is communicated, nothing moves silently;
+    - with find_unused_parameters=True, one all-reduce of a flag per parameter tells every rank which
+      parameters no rank used (any rank used it: it has a gradient). After the update their elements
+      get back their values and states, and every parameter keeps its own step count: one skipped in
+      some steps is updated with Adam's bias corrections for its own count (the state keeps the counts
+      as "param_steps" while they differ from the shard's "step").
+    Works for any optimizer over flat param groups with .params, .layout (ShardLayout) and .master
+    (this rank's shard): lessons 03, 04 and 06 use it, and stage 3's shards fit it too.
+    """
+
+    def __init__(self, groups, rank: int, names: dict, find_unused_parameters: bool = False):
+        self.groups, self.rank, self.names = groups, rank, names
+        self.find_unused_parameters = find_unused_parameters
+        self.used = set()  # ids of the parameters that got a gradient since the last plan()
+        self.pieces = [self._pieces(group) for group in groups]
+        self.handles = [p.register_post_accumulate_grad_hook(self._mark_used) for g in groups for p in g.params]
+
+    def _mark_used(self, param) -> None:
+        self.used.add(id(param))
+
+    def _pieces(self, group) -> list[tuple[int, int, int]]:
+        """(parameter index, lo, hi): where each parameter lies in this rank's shard, in shard coordinates."""
+        start, stop = group.layout.shard(self.rank)
+        pieces, offset = [], 0
+        for index, p in enumerate(group.params):
+            lo, hi = max(offset, start), min(offset + p.numel(), stop)
+            if lo < hi:
+                pieces.append((index, lo - start, hi - start))
+            offset += p.numel()
+        return pieces
+
+    def plan(self) -> list[list[bool]] | None:
+        """Per group, which parameters got a gradient on some rank since the last plan; None when
+        there is nothing to skip. Every rank calls it once per step, before the update."""
+        used = [[id(p) in self.used for p in g.params] for g in self.groups]
+        self.used.clear()
+        if not self.find_unused_parameters:
+            missing = [self.names.get(p, f"#{i}") for g, flags in zip(self.groups, used)
+                       for i, (p, u) in enumerate(zip(g.params, flags)) if not u]
+            if missing:
+                raise RuntimeError(
+                    f"parameters {missing} got no gradient on rank {self.rank} since the last step. torch.optim "
+                    "would leave them as they are; a flat shard would move them (weight decay, moments). If the "
+                    "model skips parameters in some steps, pass find_unused_parameters=True (zero_lab.prepare or "
+                    "the optimizer: one small all-reduce per step); if they never train, freeze them "
+                    "(requires_grad=False) or leave them out of params")
+            return None
+        flags = torch.tensor([u for flags in used for u in flags], dtype=torch.int32,
+                             device=self.groups[0].flat_param.device)
+        torch.distributed.all_reduce(flags)  # how many ranks used each parameter
+        anywhere = iter(flags.gt(0).tolist())
+        return [[next(anywhere) for _ in g.params] for g in self.groups]
+
+    @staticmethod
+    def _count(state, count: float | None = None) -> float:
+        """A step count as the shard's state compares it: Adam's "step"; an optimizer without one
+        (SGD) only knows whether it has state, so every count from 1 on is the same."""
+        if count is None:
+            return float(state["step"]) if "step" in state else float(bool(state))
+        return count if "step" in state or not state else min(count, 1.0)
+
+    @torch.no_grad()
+    def before(self, plan, optimizer, grads) -> list | None:
+        """Call just before optimizer updates the masters with grads; pass what it returns to after()."""
+        if plan is None:
+            return None
+        records = []
+        for index, (group, used, grad) in enumerate(zip(self.groups, plan, grads)):
+            state = optimizer.state[group.master]
+            counts = state.get("param_steps")
+            if all(used) and counts is None:
+                continue  # every parameter used, every count the shard's: the update is torch's
+            shard_count = self._count(state)
+            counts = counts.tolist() if counts is not None else [shard_count] * len(used)
+            held = [(lo, hi) for i, lo, hi in self.pieces[index] if not used[i]]
+            own = {}  # count -> pieces of used parameters whose count is not the shard's
+            for i, lo, hi in self.pieces[index]:
+                if used[i] and self._count(state, counts[i]) != shard_count:
+                    own.setdefault(counts[i], []).append((lo, hi))
+            device, row = group.master.device, sum(hi - lo for lo, hi in held)
+            updates = []  # (count, positions in the shard, rows of the saved values)
+            for count, pieces in own.items():
+                numel = sum(hi - lo for lo, hi in pieces)
+                updates.append((count, _positions(pieces, device), torch.arange(row, row + numel, device=device)))
+                row += numel
+            positions = _positions(held + [piece for pieces in own.values() for piece in pieces], device)
+            keys = [k for k, v in state.items()
+                    if torch.is_tensor(v) and v.shape == group.master.shape and k != "param_steps"]
+            records.append(dict(
+                index=index, used=used, counts=counts, keys=keys, positions=positions, updates=updates,
+                had_state=bool(state), step=state["step"].clone() if "step" in state else None, grad=grad,
+                saved={"master": group.master[positions].clone(), **{k: state[k][positions].clone() for k in keys}}))
+        return records
+
+    @torch.no_grad()
+    def after(self, optimizer, records) -> None:
+        """Undo the update where torch.optim would not have made it; redo it with each parameter's own count."""
+        for record in records or []:
+            group = self.groups[record["index"]]
+            master, state, positions, saved = group.master, optimizer.state[group.master], record["positions"], record["saved"]
+            master[positions] = saved["master"]
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.shape == master.shape and key != "param_steps":
+                    value[positions] = saved[key] if key in saved else 0  # a state made in this step starts at 0
+            if not any(record["used"]):  # nothing in this group was updated: neither is its step count
+                if not record["had_state"]:
+                    state.clear()
+                elif record["step"] is not None:
+                    state["step"].copy_(record["step"])
+            options = {k: v for k, v in optimizer.param_groups[record["index"]].items() if k != "params"}
+            for count, own, rows in record["updates"]:
+                self._own_update(type(optimizer), options, master, state, record, own, rows, count)
+            counts = [c + u for c, u in zip(record["counts"], record["used"])]
+            state.pop("param_steps", None)
+            if state and any(self._count(state, c) != self._count(state) for c in counts):
+                state["param_steps"] = torch.tensor(counts, dtype=torch.float32, device=master.device)
+
+    @staticmethod
+    def _own_update(optimizer_class, options, master, state, record, positions, rows, count) -> None:
+        """One step of the same torch optimizer over the elements `positions`, from their own state and count."""
+        piece = record["saved"]["master"][rows].clone()
+        piece.grad = record["grad"][positions].to(piece.dtype)
+        single = optimizer_class([{**options, "params": [piece]}])
+        if count > 0:  # a parameter never updated starts from torch's fresh state
+            single.state[piece] = {k: record["saved"][k][rows].clone() for k in record["keys"]}
+            if record["step"] is not None:
+                single.state[piece]["step"] = torch.tensor(float(count), dtype=record["step"].dtype)
+        single.step()
+        master[positions] = piece
+        for key, value in single.state[piece].items():
+            if torch.is_tensor(value) and value.shape == piece.shape:
+                state[key][positions] = value
+
+    @contextmanager
+    def applied(self, plan, optimizer, grads):
+        """with unused.applied(plan, optimizer, grads): <the update of the masters>."""
+        records = self.before(plan, optimizer, grads)
+        yield
+        self.after(optimizer, records)
+
+
+def _positions(pieces, device) -> torch.Tensor:
+    return torch.cat([torch.arange(lo, hi, device=device) for lo, hi in pieces]) if pieces else \
+        torch.zeros(0, dtype=torch.long, device=device)
+
+
+def write_through_loads(model: torch.nn.Module, write, before=None):
+    """Make model.load_state_dict(...) reach the optimizer's own copies of the weights.
+
+    An optimizer that keeps fp32 masters or host shards would overwrite loaded weights with its
+    copies at the next step. This registers a load_state_dict pre-hook on `model`: for each loaded
+    parameter, write(param, value) gets the value as given (fp32 kept when the model computes in
+    bf16); before() runs first (e.g. finish a delayed update). Returns the hook's handle.
+    """
+    named = list(model.named_parameters(remove_duplicate=False))  # tied weights: every name
+
+    def hook(module, state_dict, prefix, *args):
+        found = [(p, state_dict[prefix + name]) for name, p in named
+                 if prefix + name in state_dict and torch.is_tensor(state_dict[prefix + name])
+                 and state_dict[prefix + name].numel() == p.numel()]  # a wrong shape: torch's own error follows
+        if before is not None:
+            before()
+        with torch.no_grad():
+            for p, value in found:
+                write(p, value)
+
+    return model.register_load_state_dict_pre_hook(hook)

@@ -16,6 +16,8 @@ Options besides the optimizer's own (lr, betas, weight_decay, ...):
     params=         tensors or param-group dicts, as torch.optim takes them (default: all of the model's)
     param_dtype=    compute dtype, torch.bfloat16 for mixed precision (fp32 masters kept)
     max_grad_norm=  stages 1-3: clip the global gradient norm in optimizer.step()
+    find_unused_parameters=  stages 0-2, as torch's DDP: True lets a step leave parameters without gradient
+                    (they are not updated, as with torch.optim); False (default) makes that an error
     bucket_numel=   stage 2: elements per gradient bucket
     units=, prefetch=, max_live_numel=, reshard_last=, init_fn=
                     stage 3: sharding units, prefetch depth and cap, meta-device init (zero_lab.zero3)
@@ -69,14 +71,15 @@ def prepare(model: torch.nn.Module, optimizer_class: type, stage: int = 0, *, pa
     _warn_about_batch_norm(model)
     previous = _prepared.pop(model, None)
     if previous is not None:  # prepared before (a re-run cell): start afresh
-        for handle in getattr(previous, "hook_handles", []):
+        for handle in [*getattr(previous, "hook_handles", []), *getattr(previous, "model_hooks", [])]:
             handle.remove()  # they would reduce every gradient again, or hand the new optimizer zeros
         if hasattr(previous, "unshard_model"):  # stage 3 sharded the model in place: whole parameters again
             previous.unshard_model()
         model.zero_grad(set_to_none=True)  # views into the old optimizer's buffers
     built = getattr(module, row.offload if offload else row.builds)
     if row.wraps_model:
-        wrapped, optimizer = _prepare_ddp(built, module, model, optimizer_class, params, param_dtype, options)
+        wrapped, optimizer = _prepare_ddp(built, module, model, optimizer_class, params, param_dtype, options,
+                                          zero_options.get("find_unused_parameters", False))
         _prepared[model] = wrapped
     else:
         wrapped = model
@@ -95,8 +98,8 @@ def _lesson_module(name: str, lesson: str, what: str):
         raise RuntimeError(f"{what} needs {name}, which does not exist yet: run `zero-lab build {lesson}`") from None
 
 
-def _prepare_ddp(wrapper, ddp, model, optimizer_class, params, param_dtype, options):
-    model = wrapper(model)  # broadcasts rank 0's weights first
+def _prepare_ddp(wrapper, ddp, model, optimizer_class, params, param_dtype, options, find_unused_parameters):
+    model = wrapper(model, find_unused_parameters=find_unused_parameters)  # broadcasts rank 0's weights first
     params = ddp.trainable_parameters(model) if params is None else params
     if param_dtype is None:
         return model, optimizer_class(params, **options)
@@ -104,7 +107,10 @@ def _prepare_ddp(wrapper, ddp, model, optimizer_class, params, param_dtype, opti
     if params and isinstance(params[0], dict):
         raise ValueError("stage 0 with param_dtype (lesson 02's MasterWeightOptimizer) takes one list of "
                          "parameters, not param groups: use stage=1 for param groups with mixed precision")
-    return model, ddp.MasterWeightOptimizer(params, optimizer_class, **options)
+    optimizer = ddp.MasterWeightOptimizer(params, optimizer_class, **options)
+    from zero_lab.optim import write_through_loads  # model.load_state_dict must reach the fp32 masters
+    model.hook_handles.append(write_through_loads(model.module, optimizer.write_master))
+    return model, optimizer
 
 
 def _check_setup(model, optimizer_class, stage) -> None:

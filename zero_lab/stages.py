@@ -32,11 +32,11 @@ class Stage:
 
 
 STAGES = {
-    0: Stage("DDP", (), "02_ddp", "zero_lab.ddp", "BucketedDDP", frozenset({"param_dtype"}), wraps_model=True),
+    0: Stage("DDP", (), "02_ddp", "zero_lab.ddp", "BucketedDDP", frozenset({"param_dtype", "find_unused_parameters"}), wraps_model=True),
     1: Stage("P_os", ("master_params", "optimizer_states"), "03_zero1", "zero_lab.zero1", "Zero1Optimizer",
-             frozenset({"param_dtype", "max_grad_norm", *OFFLOAD_OPTIONS}), offload="Zero1Offload"),
+             frozenset({"param_dtype", "max_grad_norm", "find_unused_parameters", *OFFLOAD_OPTIONS}), offload="Zero1Offload"),
     2: Stage("P_os+g", ("master_params", "optimizer_states", "gradients"), "04_zero2", "zero_lab.zero2",
-             "Zero2Optimizer", frozenset({"param_dtype", "max_grad_norm", "bucket_numel", *OFFLOAD_OPTIONS}),
+             "Zero2Optimizer", frozenset({"param_dtype", "max_grad_norm", "bucket_numel", "find_unused_parameters", *OFFLOAD_OPTIONS}),
              offload="Zero2Offload"),
     3: Stage("P_os+g+p", ("master_params", "optimizer_states", "gradients", "parameters"), "05_zero3",
              "zero_lab.zero3", "Zero3Optimizer",

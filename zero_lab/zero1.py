@@ -15,11 +15,12 @@ the same 2 Psi elements of communication per step as DDP (section 7.2.1).
 """
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
 
-from zero_lab.optim import OptimizerOverCopies, hold_gradients
+from zero_lab.optim import OptimizerOverCopies, UnusedParameters, hold_gradients, write_through_loads
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,8 @@ class ShardedCheckpoint:
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         """Load this rank's shard (every rank calls it); the model's weights follow the masters."""
+        if "world_size" not in state and "param_groups" in state:  # consolidated_state_dict()["optimizer"]
+            return self._load_consolidated(state)
         numels = [g.layout.numel for g in self.groups]
         if (state["world_size"], state["numels"]) != (self.world_size, numels):
             raise ValueError(
@@ -205,17 +208,21 @@ class ShardedCheckpoint:
         full_values, full_states = {}, {}
         for group in self.groups:
             state = self.optimizer.state[group.master]
-            shards = {"master": group.master, **{k: v for k, v in state.items() if v.dim() > 0}}
+            counts = state.get("param_steps")  # each parameter's own step count, where some were skipped
+            shards = {"master": group.master, **{k: v for k, v in state.items() if v.dim() > 0 and k != "param_steps"}}
             gathered = {key: gather_shards(shard, dst, group.flat_param.device) for key, shard in shards.items()}
             if self.rank != dst:
                 continue
             scalars = {k: v for k, v in state.items() if v.dim() == 0}  # Adam's step count
             for key, full in gathered.items():
-                for p, view in zip(group.params, param_views(full, group.params)):
+                for i, (p, view) in enumerate(zip(group.params, param_views(full, group.params))):
                     if key == "master":
                         full_values[p] = view.clone()
-                    else:  # a step tensor per parameter: torch.optim increments each one in place
-                        full_states.setdefault(p, {k: v.clone() for k, v in scalars.items()})[key] = view.clone()
+                    elif counts is None or counts[i] > 0:  # a parameter never updated has no state in torch
+                        # a step tensor per parameter: torch.optim increments each one in place
+                        own = {k: (counts[i] if counts is not None and k == "step" else v).to(v.dtype, copy=True)
+                               for k, v in scalars.items()}
+                        full_states.setdefault(p, own)[key] = view.clone()
         if self.rank != dst:
             return None
         model_state = {k: v.float() if v.is_floating_point() else v.clone() for k, v in self.model.state_dict().items()}
@@ -223,6 +230,37 @@ class ShardedCheckpoint:
             if p in full_values:
                 model_state[name] = full_values[p]
         return {"model": model_state, "optimizer": self._unsharded_optimizer_state(full_states)}
+
+    @torch.no_grad()
+    def _load_consolidated(self, full: dict) -> None:
+        """Load consolidated_state_dict()["optimizer"] (torch's format over the unsharded parameters),
+        saved at any world size: each rank keeps its shard of every state tensor. The weights come
+        with the model's state: model.load_state_dict(consolidated["model"]) reaches the masters."""
+        sizes = [len(saved["params"]) for saved in full["param_groups"]]
+        if sizes != [len(g.params) for g in self.groups]:
+            raise ValueError(f"this optimizer state has param groups of {sizes} parameters, not "
+                             f"{[len(g.params) for g in self.groups]}: prepare the model with the same param groups")
+        shards = {}
+        for index, (group, saved) in enumerate(zip(self.groups, full["param_groups"])):
+            states = [full["state"].get(i, {}) for i in saved["params"]]
+            start, stop = group.layout.shard(self.rank)
+            shard = {}
+            for key in sorted({k for s in states for k, v in s.items() if torch.is_tensor(v) and v.dim() > 0}):
+                flat = torch.zeros(group.layout.padded_numel, dtype=MASTER_DTYPE)  # zeros: no state yet
+                for s, view in zip(states, param_views(flat, group.params)):
+                    if key in s:
+                        view.copy_(s[key])
+                shard[key] = flat[start:stop]
+            if any("step" in s for s in states):  # Adam: the shard counts the most; the others keep their own
+                counts = [float(s.get("step", 0)) for s in states]
+                shard["step"] = torch.tensor(max(counts))
+                if len(set(counts)) > 1:
+                    shard["param_steps"] = torch.tensor(counts)
+            if shard:
+                shards[index] = shard
+        groups = [{**{k: v for k, v in saved.items() if k != "params"}, "params": [index]}
+                  for index, saved in enumerate(full["param_groups"])]
+        self.optimizer.load_state_dict({"state": shards, "param_groups": groups})
 
     def _unsharded_optimizer_state(self, full_states: dict) -> dict:
         # torch.optim numbers the parameters consecutively through the groups.
@@ -250,13 +288,16 @@ class Zero1Optimizer(ShardedCheckpoint, OptimizerOverCopies):
     param_dtype    cast the trainable parameters to this compute dtype (torch.bfloat16 for mixed
                    precision); the fp32 masters are taken before the cast. None keeps the dtype.
     max_grad_norm  clip the global gradient norm to this in step() (None: no clipping)
+    find_unused_parameters  as torch's DDP: False (default), a parameter without gradient in a step
+                   is an error; True, one that no rank used is not updated (zero_lab.optim.UnusedParameters)
     **defaults     the optimizer's options (lr, weight_decay, ...)
+    model.load_state_dict(...) after building it also sets the fp32 masters.
     """
 
     stage = 1
 
     def __init__(self, model, optimizer_class=torch.optim.AdamW, params=None, *,
-                 param_dtype=None, max_grad_norm=None, **defaults):
+                 param_dtype=None, max_grad_norm=None, find_unused_parameters=False, **defaults):
         self.model, self.max_grad_norm = model, max_grad_norm
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.groups, inner_groups = [], []
@@ -270,6 +311,20 @@ class Zero1Optimizer(ShardedCheckpoint, OptimizerOverCopies):
         super().__init__(optimizer_class(inner_groups, **defaults))
         hold_gradients(self, [p for g in self.groups for p in g.params])
         self.last_grad_norm = None
+        # torch.optim's semantics around the inner step: parameters without gradient are not updated,
+        # and model.load_state_dict writes through to the masters (zero_lab.optim).
+        names = {id(p): name for name, p in model.named_parameters()}
+        self.unused = UnusedParameters(self.groups, self.rank, {p: names.get(id(p), "?") for g in self.groups for p in g.params},
+                                       find_unused_parameters)
+        self.stepping = False  # inside step(): then the inner optimizer's step is this step's update
+        self.register_step_pre_hook(self._enter_step)
+        self.register_step_post_hook(self._leave_step)
+        self.optimizer.register_step_pre_hook(self._before_update)
+        self.optimizer.register_step_post_hook(self._after_update)
+        self.master_offsets = {id(p): (group, offset) for group in self.groups
+                               for p, offset in zip(group.params, accumulate([0] + [q.numel() for q in group.params]))}
+        self.model_hooks = [*self.unused.handles, write_through_loads(model, self._write_master, self._before_load)]
+        self._note_weights()
 
     def _flatten_group(self, params, param_dtype) -> FlatGroup:
         flat, layout = flatten_params_(params, self.world_size)
@@ -279,6 +334,58 @@ class Zero1Optimizer(ShardedCheckpoint, OptimizerOverCopies):
             for p, view in zip(params, param_views(compute_flat, params)):
                 p.data = view
         return FlatGroup(params, layout, compute_flat, master, self._new_flat_grad(compute_flat, params))
+
+    def _enter_step(self, optimizer, args, kwargs) -> None:
+        self.stepping = True
+        self._adopt_edited_weights()
+
+    def _leave_step(self, optimizer, args, kwargs) -> None:
+        self.stepping = False
+        self._note_weights()
+
+    def _note_weights(self) -> None:
+        """Each parameter's version counter now: an in-place edit (with torch.no_grad(): p.mul_(...))
+        increments it, as autograd's checks rely on; this optimizer's writes into the flat buffer do not."""
+        self.weight_versions = [[p._version for p in g.params] for g in self.groups]
+
+    def _edited(self, group: FlatGroup, versions: list[int]) -> bool:
+        return any(p._version != version for p, version in zip(group.params, versions))
+
+    @torch.no_grad()
+    def _adopt_edited_weights(self) -> None:
+        """Parameters edited in place since the last step: the masters take the edited elements of this
+        rank's shard (the next step would otherwise write the masters over them)."""
+        for group, versions in zip(self.groups, self.weight_versions):
+            if self._edited(group, versions):
+                own = self._own_weights(group)
+                edited = own != group.master.to(own.dtype)
+                group.master[edited] = own[edited].to(group.master.dtype)
+        self._note_weights()
+
+    def _own_weights(self, group: FlatGroup) -> torch.Tensor:
+        """This rank's shard of the model's weights, where its master is (lesson 06: on the host)."""
+        return group.flat_param[slice(*group.layout.shard(self.rank))]
+
+    def _before_update(self, optimizer, args, kwargs) -> None:
+        plan = self.unused.plan() if self.stepping else None  # not when the inner optimizer is stepped by hand
+        self.skipped = self.unused.before(plan, optimizer, [g.master.grad for g in self.groups])
+
+    def _after_update(self, optimizer, args, kwargs) -> None:
+        self.unused.after(optimizer, self.skipped)
+
+    @torch.no_grad()
+    def _write_master(self, param, value: torch.Tensor) -> None:
+        """model.load_state_dict's value of `param` also goes into this rank's fp32 master (its part of the shard)."""
+        if id(param) not in self.master_offsets:
+            return  # frozen: no master
+        group, offset = self.master_offsets[id(param)]
+        start, stop = group.layout.shard(self.rank)
+        lo, hi = max(offset, start), min(offset + param.numel(), stop)
+        if lo < hi:
+            group.master[lo - start:hi - start] = value.reshape(-1)[lo - offset:hi - offset].to(group.master)
+
+    def _before_load(self) -> None:
+        """What must happen before model.load_state_dict writes the weights (lesson 06: finish a delayed update)."""
 
     def _new_flat_grad(self, flat_param, params):
         # .grad as views into one flat buffer: backward accumulates into them in place, so the
