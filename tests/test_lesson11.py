@@ -14,9 +14,9 @@ import zero_lab
 from zero_lab import launch
 from zero_lab.course_tools.implementation import REPO
 from zero_lab.debugging import (SHAPES, WIDTH, Diagnosis, accumulate_then_sync, broadcast_model_, clip_sharded_grads_,
-                                forward_every_rank_gathers, full_state_on_rank0, is_hard, layer_weights, micro_batches,
-                                model_grads, overflow_anywhere, rank_batch_indices, shard_of, small_mlp, sync_batch_norm,
-                                sync_grads_, two_head_loss, two_head_model)
+                                forward_every_rank_gathers, full_state_on_rank0, gathered_params, is_hard, layer_weights,
+                                micro_batches, model_grads, overflow_anywhere, partition_, rank_batch_indices, shard_of,
+                                small_mlp, sync_batch_norm, sync_grads_, two_head_loss, two_head_model)
 
 NOTEBOOK = REPO / "solutions" / "11_debugging" / "11_debugging.ipynb"
 
@@ -167,6 +167,24 @@ def test_unused_parameters_average_with_zeros_or_stay_without_gradient(aux_ranks
                 torch.testing.assert_close(got, p.grad)
 
 
+def _placeholders():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 1))
+    shards = partition_(model)
+    empty = [p.shape for p in model.parameters()]
+    with gathered_params(model, shards):
+        state = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return empty, state, [p.shape for p in model.parameters()]
+
+
+def test_stage3_placeholders_are_full_inside_the_gathered_block_only():
+    torch.manual_seed(0)
+    expected = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 1)).state_dict()
+    for empty, state, after in launch(_placeholders, 3, timeout=30):
+        assert empty == after == [torch.Size([0])] * 4
+        assert all(torch.equal(state[name], expected[name]) for name in expected)
+
+
 # The notebook's own repros fail as its prose says (definitions run, demo cells not).
 
 def _notebook_namespace(old=None, new=None):
@@ -234,6 +252,8 @@ MUTANTS = {
     "zeros for parameters used nowhere": ("sync_grads", "        if users == 0:\n            continue\n", ""),
     "skip the reduction of unused parameters": ("sync_grads", "        if p.grad is None:\n            p.grad = torch.zeros_like(p)\n",
                                                 "        if p.grad is None:\n            continue\n"),
+    "placeholders not restored when the block raises": ("gathered_params", "    try:\n        yield module\n    finally:\n        for p",
+                                                        "    if True:\n        yield module\n        for p"),
     "the stuck rank named as the culprit": ("diagnosis_branches", 'collective="all_gather", rank=1)', 'collective="all_gather", rank=0)'),
     "order mismatch for an unused parameter": ("diagnosis_unused", 'Diagnosis(cause="unused-parameter"', 'Diagnosis(cause="collective-order-mismatch"'),
 }

@@ -14,9 +14,11 @@ rank_batch_indices           case 6: one shuffle shared by all ranks, a disjoint
 overflow_anywhere            case 7: one skip decision for all ranks
 sync_batch_norm              case 8: batch statistics over the global batch
 sync_grads_                  case 9: gradient averaging when some ranks used a parameter and some did not
+partition_, gathered_params  case 10: ZeRO-3's empty placeholders, and the context that fills them
 """
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +37,7 @@ CAUSES = {
     "local-overflow-check": "each rank decided on its own whether the step overflowed",
     "local-batch-statistics": "normalisation statistics were computed from one rank's rows only",
     "unused-parameter": "a parameter got no gradient on some rank, so that rank skipped its reduction",
+    "read-outside-gather": "a sharded parameter was read where only its empty placeholder exists",
     "wrong-dtype": "a tensor had the wrong precision",
 }
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "gather", "barrier")
@@ -223,3 +226,27 @@ def sync_grads_(params: list[torch.nn.Parameter]) -> None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad)
         p.grad.div_(world_size)
+
+
+def partition_(module: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Size]]:
+    """ZeRO-3 storage: keep this rank's shard of every parameter (returned by name, with its full
+    shape) and leave the parameter itself an empty placeholder of shape [0]."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    shards = {}
+    for name, p in module.named_parameters():
+        shards[name] = (shard_of(p.detach(), rank, world_size), p.shape)
+        p.data = torch.empty(0, dtype=p.dtype)
+    return shards
+
+
+@contextmanager
+def gathered_params(module: torch.nn.Module, shards: dict[str, tuple[torch.Tensor, torch.Size]]):
+    """Inside the block, every parameter of `module` is full; after it, an empty placeholder again."""
+    for name, p in module.named_parameters():
+        shard, shape = shards[name]
+        p.data = gather_full(shard, shape)
+    try:
+        yield module
+    finally:
+        for p in module.parameters():
+            p.data = torch.empty(0, dtype=p.dtype)
