@@ -13,8 +13,8 @@ import torch.nn.functional as F
 import zero_lab
 from zero_lab import launch
 from zero_lab.course_tools.implementation import REPO
-from zero_lab.debugging import (SHAPES, WIDTH, Diagnosis, accumulate_then_sync, broadcast_model_, clip_sharded_grads_,
-                                forward_every_rank_gathers, full_state_on_rank0, gathered_params, is_hard, layer_weights,
+from zero_lab.debugging import (SHAPES, WIDTH, Diagnosis, OpCounter, accumulate_then_sync, adam_state, adamw_foreach_,
+                                broadcast_model_, clip_sharded_grads_, forward_every_rank_gathers, full_state_on_rank0, gathered_params, is_hard, layer_weights,
                                 micro_batches, model_grads, overflow_anywhere, partition_, rank_batch_indices, shard_of,
                                 small_mlp, sync_batch_norm, sync_grads_, two_head_loss, two_head_model)
 
@@ -185,6 +185,23 @@ def test_stage3_placeholders_are_full_inside_the_gathered_block_only():
         assert all(torch.equal(state[name], expected[name]) for name in expected)
 
 
+@pytest.mark.parametrize("num_tensors", [1, 40])
+def test_multi_tensor_adamw_is_torchs_adamw_in_a_constant_number_of_calls(num_tensors):
+    params, grads, exp_avgs, exp_avg_sqs = adam_state(num_tensors, 6, seed=num_tensors)
+    reference = [torch.nn.Parameter(p.clone()) for p in params]
+    optimizer = torch.optim.AdamW(reference, lr=0.05, betas=(0.8, 0.99), weight_decay=0.2)
+    for step in (1, 2):
+        for p, g in zip(reference, grads):
+            p.grad = g
+        optimizer.step()
+        counter = OpCounter()
+        with counter:
+            adamw_foreach_(params, grads, exp_avgs, exp_avg_sqs, step, lr=0.05, betas=(0.8, 0.99), weight_decay=0.2)
+        assert counter.calls == 8
+    for mine, theirs in zip(params, reference):
+        torch.testing.assert_close(mine, theirs.detach())
+
+
 # The notebook's own repros fail as its prose says (definitions run, demo cells not).
 
 def _notebook_namespace(old=None, new=None):
@@ -254,6 +271,10 @@ MUTANTS = {
                                                 "        if p.grad is None:\n            continue\n"),
     "placeholders not restored when the block raises": ("gathered_params", "    try:\n        yield module\n    finally:\n        for p",
                                                         "    if True:\n        yield module\n        for p"),
+    "a loop over the tensors": ("adamw_foreach", "    torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / (1 - beta1 ** step))\n",
+                                "    for p, m, d in zip(params, exp_avgs, denom):\n        p.addcdiv_(m, d, value=-lr / (1 - beta1 ** step))\n"),
+    "no bias correction": ("adamw_foreach", "_foreach_addcdiv_(params, exp_avgs, denom, value=-lr / (1 - beta1 ** step))",
+                           "_foreach_addcdiv_(params, exp_avgs, denom, value=-lr)"),
     "the stuck rank named as the culprit": ("diagnosis_branches", 'collective="all_gather", rank=1)', 'collective="all_gather", rank=0)'),
     "order mismatch for an unused parameter": ("diagnosis_unused", 'Diagnosis(cause="unused-parameter"', 'Diagnosis(cause="collective-order-mismatch"'),
 }

@@ -15,6 +15,7 @@ overflow_anywhere            case 7: one skip decision for all ranks
 sync_batch_norm              case 8: batch statistics over the global batch
 sync_grads_                  case 9: gradient averaging when some ranks used a parameter and some did not
 partition_, gathered_params  case 10: ZeRO-3's empty placeholders, and the context that fills them
+OpCounter, adamw_foreach_    case 11: operator calls per step; AdamW with a constant number of them
 """
 
 import math
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 CAUSES = {
     "divergent-control-flow": "ranks ran different code paths in forward, so they issued different collectives",
@@ -38,6 +40,7 @@ CAUSES = {
     "local-batch-statistics": "normalisation statistics were computed from one rank's rows only",
     "unused-parameter": "a parameter got no gradient on some rank, so that rank skipped its reduction",
     "read-outside-gather": "a sharded parameter was read where only its empty placeholder exists",
+    "per-parameter-loop": "a step issued a few small operations per tensor, in Python",
     "wrong-dtype": "a tensor had the wrong precision",
 }
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "gather", "barrier")
@@ -250,3 +253,37 @@ def gathered_params(module: torch.nn.Module, shards: dict[str, tuple[torch.Tenso
     finally:
         for p in module.parameters():
             p.data = torch.empty(0, dtype=p.dtype)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the operator calls (aten ops) issued inside the `with` block."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def adam_state(num_tensors: int, numel: int, seed: int) -> list[list[torch.Tensor]]:
+    """[params, grads, exp_avgs, exp_avg_sqs]: `num_tensors` fp32 tensors of `numel` elements each."""
+    generator = torch.Generator().manual_seed(seed)
+    params, grads = ([torch.randn(numel, generator=generator) for _ in range(num_tensors)] for _ in range(2))
+    return [params, grads, [torch.zeros(numel) for _ in range(num_tensors)], [torch.zeros(numel) for _ in range(num_tensors)]]
+
+
+def adamw_foreach_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                   exp_avg_sqs: list[torch.Tensor], step: int, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                   eps: float = 1e-8, weight_decay: float = 0.01) -> None:
+    """torch.optim.AdamW's update of every tensor, with a number of operator calls that does not grow with the tensors."""
+    beta1, beta2 = betas
+    torch._foreach_mul_(params, 1 - lr * weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, math.sqrt(1 - beta2 ** step))
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / (1 - beta1 ** step))
