@@ -1,0 +1,302 @@
+"""Lesson 11, debugging bank: each repro fails as the lesson says, each fix matches one process, typical wrong fixes lose points."""
+
+import math
+import os
+from fractions import Fraction
+
+import nbformat
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import zero_lab
+from zero_lab import launch
+from zero_lab.course_tools.implementation import REPO
+from zero_lab.debugging import (SHAPES, WIDTH, Diagnosis, OpCounter, accumulate_then_sync, adam_state, adamw_foreach_,
+                                broadcast_model_, clip_sharded_grads_, forward_every_rank_gathers, full_state_on_rank0, gathered_params, is_hard, layer_weights,
+                                micro_batches, model_grads, overflow_anywhere, partition_, rank_batch_indices, shard_of,
+                                small_mlp, sync_batch_norm, sync_grads_, two_head_loss, two_head_model)
+
+NOTEBOOK = REPO / "solutions" / "11_debugging" / "11_debugging.ipynb"
+
+
+def test_diagnosis_takes_words_from_the_vocabulary_only():
+    Diagnosis("unused-parameter", "all_reduce", rank=1)
+    with pytest.raises(ValueError, match="not in the vocabulary"):
+        Diagnosis("it-hangs")
+    with pytest.raises(ValueError, match="all_gather"):
+        Diagnosis("divergent-control-flow", collective="allgather")
+
+
+# The fixes, on world sizes the notebook's visible tests do not use.
+
+def _branches(easy_ranks):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    shards = [shard_of(w, rank, world_size) for w in layer_weights([WIDTH] * 4, seed=3)]
+    x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(rank)) * (0.1 if rank in easy_ranks else 2.0)
+    return x, forward_every_rank_gathers(shards, SHAPES, x)
+
+
+@pytest.mark.parametrize("world_size, easy_ranks", [(3, {2}), (4, {0, 3})])
+def test_divergent_branches_no_longer_hang_and_keep_each_ranks_branch(world_size, easy_ranks):
+    weights = layer_weights([WIDTH] * 4, seed=3)
+    for x, out in launch(_branches, world_size, easy_ranks, timeout=30):
+        h = torch.relu(x @ weights[0].T)
+        if is_hard(x):
+            h = torch.relu(h @ weights[1].T)
+        torch.testing.assert_close(out, h @ weights[2].T)
+
+
+def _consolidate(sizes):
+    weights = layer_weights(sizes, seed=1)
+    return full_state_on_rank0([shard_of(w, dist.get_rank(), dist.get_world_size()) for w in weights], [w.shape for w in weights])
+
+
+def test_full_state_reaches_rank0_only():
+    sizes = [3, 5, 2]
+    results = launch(_consolidate, 4, sizes, timeout=30)
+    assert [w.tolist() for w in results[0]] == [w.tolist() for w in layer_weights(sizes, seed=1)]
+    assert results[1:] == [None, None, None]
+
+
+def _clip(max_norm):
+    matrices, vectors = model_grads(seed=2, scale=2.0)
+    shards = [shard_of(g, dist.get_rank(), dist.get_world_size()) for g in matrices]
+    return clip_sharded_grads_(shards, vectors, max_norm), shards, vectors
+
+
+@pytest.mark.parametrize("max_norm", [0.3, 1e3])
+def test_clipping_uses_the_whole_gradients_norm_on_every_rank(max_norm):
+    matrices, vectors = model_grads(seed=2, scale=2.0)
+    norm = math.sqrt(sum(float(g.pow(2).sum()) for g in matrices + vectors))
+    factor = min(1.0, max_norm / (norm + 1e-6))
+    for rank, (got_norm, shards, got_vectors) in enumerate(launch(_clip, 3, max_norm, timeout=30)):
+        assert got_norm.item() == pytest.approx(norm, rel=1e-6)
+        for shard, full in zip(shards, matrices):
+            torch.testing.assert_close(shard, shard_of(full * factor, rank, 3))
+        for got, full in zip(got_vectors, vectors):
+            torch.testing.assert_close(got, full * factor)
+
+
+def _accumulate(micro_steps):
+    model = small_mlp(seed=4)
+    with zero_lab.CommLedger() as ledger:
+        accumulate_then_sync(model, micro_batches(4, dist.get_rank(), micro_steps))
+    return [p.grad for p in model.parameters()], ledger.sent_bytes()
+
+
+def test_accumulation_matches_one_process_and_syncs_once():
+    world_size, micro_steps = 3, 4
+    model = small_mlp(seed=4)
+    batches = [b for rank in range(world_size) for b in micro_batches(4, rank, micro_steps)]
+    (sum(F.mse_loss(model(x), y) for x, y in batches) / len(batches)).backward()
+    psi = sum(p.numel() for p in model.parameters())
+    for grads, sent in launch(_accumulate, world_size, micro_steps, timeout=30):
+        for got, p in zip(grads, model.parameters()):
+            torch.testing.assert_close(got, p.grad)
+        assert sent == Fraction(2 * (world_size - 1) * psi * 4, world_size)
+
+
+def _broadcast():
+    torch.manual_seed(dist.get_rank())
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    model[1].running_var.mul_(dist.get_rank() + 2)
+    broadcast_model_(model, src=1)
+    return model.state_dict()
+
+
+def test_every_rank_starts_from_the_source_ranks_parameters_and_buffers():
+    states = launch(_broadcast, 3, timeout=30)
+    for state in states:
+        assert all(torch.equal(state[name], states[1][name]) for name in state)
+    assert torch.equal(states[0]["1.running_var"], torch.full((4,), 3.0))
+
+
+def test_ranks_cut_one_shared_shuffle_into_disjoint_blocks():
+    for world_size in (1, 2, 3, 6):
+        rows = [rank_batch_indices(30, 12, step=5, seed=7, rank=r, world_size=world_size) for r in range(world_size)]
+        assert torch.cat(rows).tolist() == torch.randperm(30, generator=torch.Generator().manual_seed(12))[:12].tolist()
+
+
+def _overflow(bad_rank):
+    shard = torch.ones(5, dtype=torch.float16)
+    if dist.get_rank() == bad_rank:
+        shard[2] = float("nan")
+    return overflow_anywhere(shard)
+
+
+@pytest.mark.parametrize("bad_rank, expected", [(None, False), (0, True), (2, True)])
+def test_every_rank_learns_about_an_overflow_anywhere(bad_rank, expected):
+    assert launch(_overflow, 3, bad_rank, timeout=30) == [expected] * 3
+
+
+def _batch_norm(rows):
+    rank = dist.get_rank()
+    x = torch.randn(rows[rank], 3, generator=torch.Generator().manual_seed(rank)) * (rank + 1)
+    return sync_batch_norm(x, torch.ones(3), torch.zeros(3))
+
+
+def test_sync_batch_norm_is_batch_norm_on_the_global_batch_with_uneven_ranks():
+    rows = [1, 4, 7]
+    everyone = torch.cat([torch.randn(n, 3, generator=torch.Generator().manual_seed(r)) * (r + 1) for r, n in enumerate(rows)])
+    expected = F.batch_norm(everyone, None, None, torch.ones(3), torch.zeros(3), training=True)
+    outputs = launch(_batch_norm, 3, rows, timeout=30)
+    torch.testing.assert_close(torch.cat([y for y, _, _ in outputs]), expected, atol=1e-5, rtol=1e-5)
+    for _, mean, var in outputs:
+        torch.testing.assert_close(mean, everyone.mean(0))
+        torch.testing.assert_close(var, everyone.var(0), atol=1e-5, rtol=1e-5)
+
+
+def _unused(aux_ranks):
+    rank = dist.get_rank()
+    model = two_head_model(seed=8)
+    two_head_loss(model, *micro_batches(8, rank, 1)[0], rank in aux_ranks).backward()
+    sync_grads_(list(model.parameters()))
+    return [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("aux_ranks", [{1}, set()])
+def test_unused_parameters_average_with_zeros_or_stay_without_gradient(aux_ranks):
+    model = two_head_model(seed=8)
+    (sum(two_head_loss(model, *micro_batches(8, r, 1)[0], r in aux_ranks) for r in range(3)) / 3).backward()
+    for grads in launch(_unused, 3, aux_ranks, timeout=30):
+        for got, p in zip(grads, model.parameters()):
+            assert (got is None) == (p.grad is None)
+            if got is not None:
+                torch.testing.assert_close(got, p.grad)
+
+
+def _placeholders():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 1))
+    shards = partition_(model)
+    empty = [p.shape for p in model.parameters()]
+    with gathered_params(model, shards):
+        state = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return empty, state, [p.shape for p in model.parameters()]
+
+
+def test_stage3_placeholders_are_full_inside_the_gathered_block_only():
+    torch.manual_seed(0)
+    expected = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 1)).state_dict()
+    for empty, state, after in launch(_placeholders, 3, timeout=30):
+        assert empty == after == [torch.Size([0])] * 4
+        assert all(torch.equal(state[name], expected[name]) for name in expected)
+
+
+@pytest.mark.parametrize("num_tensors", [1, 40])
+def test_multi_tensor_adamw_is_torchs_adamw_in_a_constant_number_of_calls(num_tensors):
+    params, grads, exp_avgs, exp_avg_sqs = adam_state(num_tensors, 6, seed=num_tensors)
+    reference = [torch.nn.Parameter(p.clone()) for p in params]
+    optimizer = torch.optim.AdamW(reference, lr=0.05, betas=(0.8, 0.99), weight_decay=0.2)
+    for step in (1, 2):
+        for p, g in zip(reference, grads):
+            p.grad = g
+        optimizer.step()
+        counter = OpCounter()
+        with counter:
+            adamw_foreach_(params, grads, exp_avgs, exp_avg_sqs, step, lr=0.05, betas=(0.8, 0.99), weight_decay=0.2)
+        assert counter.calls == 8
+    for mine, theirs in zip(params, reference):
+        torch.testing.assert_close(mine, theirs.detach())
+
+
+# The notebook's own repros fail as its prose says (definitions run, demo cells not).
+
+def _notebook_namespace(old=None, new=None):
+    """The notebook's definitions (every code cell but tests, demos and interview cells), optionally one change made."""
+    cells = [c for c in nbformat.read(NOTEBOOK, as_version=4).cells if c.cell_type == "code"]
+    definitions = [c.source for c in cells if not c.metadata.get("tags") and not c.source.startswith("#| test")]
+    if old is not None:
+        assert sum(s.count(old) for s in definitions) == 1, "a mutant replaces one solution"
+    namespace = {}
+    for source in definitions:
+        exec(source if old is None else source.replace(old, new), namespace)
+    return namespace, {c.source.split()[2]: c.source for c in cells if c.source.startswith("#| test")}
+
+
+def test_the_hangs_become_ranks_hung_within_seconds_naming_the_odd_rank_out():
+    namespace, _ = _notebook_namespace()
+    with pytest.raises(zero_lab.RanksHung) as hung:
+        launch(namespace["branchy_case"], 3, namespace["forward_branchy"], {1}, timeout=4)
+    assert sorted(hung.value.stuck) == [0, 2] and all("all_gather" in where for where in hung.value.stuck.values())
+    with pytest.raises(zero_lab.RanksHung) as hung:
+        launch(namespace["save_on_rank0_only"], 3, timeout=4)
+    assert sorted(hung.value.stuck) == [0]
+    with pytest.raises(zero_lab.RanksHung) as hung:
+        launch(namespace["unused_case"], 3, namespace["sync_present_grads"], {0, 2}, timeout=4)
+    assert sorted(hung.value.stuck) == [0, 2] and all("all_reduce" in where for where in hung.value.stuck.values())
+
+
+def test_the_accumulation_repro_sends_k_times_one_sync():
+    namespace, _ = _notebook_namespace()
+    psi = sum(p.numel() for p in small_mlp(0).parameters())
+    for sent, _ in launch(namespace["accumulation_case"], 4, namespace["sync_every_micro_step"], 4, timeout=30):
+        assert sent == namespace["sync_bytes_per_step"](psi, 4, 4, every_micro_step=True) == 4 * Fraction(2 * 3 * psi * 4, 4)
+
+
+# Typical wrong answers lose points: the notebook's definitions with one solution replaced, then
+# one graded cell, hidden checks included (grading the whole notebook is test_grading.py's job).
+
+MUTANTS = {
+    "agree on the branch": ("every_rank_gathers", "    if is_hard(x):\n        h = torch.relu(h @ middle.T)",
+                            "    hard = torch.tensor([float(is_hard(x))])\n    dist.all_reduce(hard, op=dist.ReduceOp.MAX)\n"
+                            "    if hard.item():\n        h = torch.relu(h @ middle.T)"),
+    "gather on rank 0 only": ("full_state_on_rank0", "        dist.gather(shard, pieces, dst=0)\n        if rank == 0:\n",
+                              "        if rank == 0:\n            dist.gather(shard, pieces, dst=0)\n"),
+    "local norm": ("clip_sharded", "    dist.all_reduce(squares)  # the shards' part, summed over ranks\n", ""),
+    "replicated counted N times": ("clip_sharded",
+                                   "    dist.all_reduce(squares)  # the shards' part, summed over ranks\n"
+                                   "    for g in replicated_grads:\n        squares += g.float().pow(2).sum()  # whole on every rank: count once\n",
+                                   "    for g in replicated_grads:\n        squares += g.float().pow(2).sum()\n    dist.all_reduce(squares)\n"),
+    "bytes without (N-1)/N": ("diagnosis_accumulation", "Fraction(2 * (world_size - 1) * numel * element_size, world_size)",
+                              "Fraction(2 * numel * element_size)"),
+    "sync every micro-step": ("accumulate_then_sync",
+                              "        (torch.nn.functional.mse_loss(model(x), y) / len(batches)).backward()\n"
+                              "    world_size = dist.get_world_size()\n    for p in model.parameters():\n"
+                              "        dist.all_reduce(p.grad)\n        p.grad.div_(world_size)\n",
+                              "        model.zero_grad()\n        (torch.nn.functional.mse_loss(model(x), y) / len(batches)).backward()\n"
+                              "        for p in model.parameters():\n            dist.all_reduce(p.grad)\n"
+                              "            p.grad.div_(dist.get_world_size())\n"),
+    "loss not divided by k": ("accumulate_then_sync", "(torch.nn.functional.mse_loss(model(x), y) / len(batches)).backward()",
+                              "torch.nn.functional.mse_loss(model(x), y).backward()"),
+    "parameters but not buffers": ("broadcast_model", "list(model.parameters()) + list(model.buffers())", "list(model.parameters())"),
+    "shuffle seeded per rank": ("rank_batch_indices", "manual_seed(seed + step)", "manual_seed(seed + step + rank)"),
+    "overflow checked locally": ("overflow_anywhere", "    dist.all_reduce(flag, op=dist.ReduceOp.MAX)\n", ""),
+    "mean of the ranks' means": ("sync_batch_norm", "torch.cat([x.sum(0), (x * x).sum(0), torch.tensor([float(x.shape[0])], dtype=x.dtype)])",
+                                 "torch.cat([x.mean(0), (x * x).mean(0), torch.ones(1, dtype=x.dtype)])"),
+    "zeros for parameters used nowhere": ("sync_grads", "        if users == 0:\n            continue\n", ""),
+    "skip the reduction of unused parameters": ("sync_grads", "        if p.grad is None:\n            p.grad = torch.zeros_like(p)\n",
+                                                "        if p.grad is None:\n            continue\n"),
+    "placeholders not restored when the block raises": ("gathered_params", "    try:\n        yield module\n    finally:\n        for p",
+                                                        "    if True:\n        yield module\n        for p"),
+    "a loop over the tensors": ("adamw_foreach", "    torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / (1 - beta1 ** step))\n",
+                                "    for p, m, d in zip(params, exp_avgs, denom):\n        p.addcdiv_(m, d, value=-lr / (1 - beta1 ** step))\n"),
+    "no bias correction": ("adamw_foreach", "_foreach_addcdiv_(params, exp_avgs, denom, value=-lr / (1 - beta1 ** step))",
+                           "_foreach_addcdiv_(params, exp_avgs, denom, value=-lr)"),
+    "the stuck rank named as the culprit": ("diagnosis_branches", 'collective="all_gather", rank=1)', 'collective="all_gather", rank=0)'),
+    "order mismatch for an unused parameter": ("diagnosis_unused", 'Diagnosis(cause="unused-parameter"', 'Diagnosis(cause="collective-order-mismatch"'),
+}
+
+
+@pytest.mark.parametrize("mutant", list(MUTANTS))
+def test_typical_wrong_answers_lose_points(mutant):
+    test_id, old, new = MUTANTS[mutant]
+    namespace, tests = _notebook_namespace(old, new)
+    with pytest.raises((AssertionError, zero_lab.RankFailed, zero_lab.RanksHung)):
+        exec(tests[test_id], namespace)
+
+
+def test_the_reference_passes_the_cells_the_mutants_fail():
+    namespace, tests = _notebook_namespace()
+    for test_id in {test_id for test_id, _, _ in MUTANTS.values()}:
+        exec(tests[test_id], namespace)
+
+
+def test_hidden_tests_are_worth_points(graded):
+    reference = graded("11_debugging", "solution")
+    assert reference.total[0] == reference.total[1] >= 30, reference.total
+    learner = graded("11_debugging", "learner")
+    assert learner.total[0] == 0
+    assert all(score.reason.startswith("not attempted") for score in learner.scores), [s.reason for s in learner.scores]
