@@ -20,6 +20,9 @@ Options besides the optimizer's own (lr, betas, weight_decay, ...):
     bucket_numel=   stage 2: elements per gradient bucket
     units=, prefetch=, max_live_numel=, reshard_last=, init_fn=
                     stage 3: sharding units, prefetch depth and cap, meta-device init (zero_lab.zero3)
+    ranks_per_node=, qwz=, hpz=, qgz=, replicate_across_nodes=
+                    stage 3 on nodes of ranks_per_node ranks (lesson 09, zero_lab.zeropp): ZeRO++'s
+                    quantized weights, hierarchical partition, quantized gradients (any subset), or HSDP
     offload="cpu"   stages 1-2: ZeRO-Offload (lesson 06, zero_lab.offload): fp32 masters, Adam's states,
                     gradient shards and the update on the host; the 16-bit parameters on the device
     dpu_warmup_steps=  with offload: the one-step delayed parameter update after this many ordinary
@@ -55,6 +58,8 @@ OFFLOAD_OPTIONS = {"offload", "dpu_warmup_steps", "cpu_adam", "adam_threads"}
 ZERO_OPTIONS = {0: {"param_dtype"}, 1: {"param_dtype", "max_grad_norm", *OFFLOAD_OPTIONS},
                 2: {"param_dtype", "max_grad_norm", "bucket_numel", *OFFLOAD_OPTIONS},
                 3: {"param_dtype", "max_grad_norm", "units", "prefetch", "max_live_numel", "reshard_last", "init_fn"}}
+NODE_OPTIONS = {"ranks_per_node", "qwz", "hpz", "qgz", "replicate_across_nodes", "weights_block", "grads_block"}
+ZERO_OPTIONS[3] |= NODE_OPTIONS  # lesson 09: ZeRO++ and HSDP on nodes of ranks_per_node ranks (zero_lab.zeropp)
 OFFLOAD_MODULE, OFFLOAD_LESSON = "zero_lab.offload", "06_offload"
 PARAM_DTYPES = (torch.float32, torch.bfloat16)
 _prepared = WeakIdKeyDictionary()  # model -> what prepare made of it last (holds its gradient hooks)
@@ -69,6 +74,8 @@ def prepare(model: torch.nn.Module, optimizer_class: type, stage: int = 0, *, pa
     _check_dtypes(model, zero_options.get("param_dtype"))
     offload = _check_offload(zero_options)
     module_name, lesson = (OFFLOAD_MODULE, OFFLOAD_LESSON) if offload else (MODULES[stage], LESSONS[stage])
+    if _on_nodes(zero_options):
+        module_name, lesson = "zero_lab.zeropp", "09_zeropp"
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as missing:
@@ -89,7 +96,7 @@ def prepare(model: torch.nn.Module, optimizer_class: type, stage: int = 0, *, pa
         wrapped, optimizer = _prepare_ddp(module, model, optimizer_class, params, param_dtype, options)
         _prepared[model] = wrapped
     else:
-        optimizer_type = (module.OFFLOAD_OPTIMIZERS[stage] if offload
+        optimizer_type = (module.OFFLOAD_OPTIMIZERS[stage] if offload else module.ZeroPPOptimizer if _on_nodes(zero_options)
                           else getattr(module, {1: "Zero1Optimizer", 2: "Zero2Optimizer", 3: "Zero3Optimizer"}[stage]))
         wrapped = model
         _prepared[model] = optimizer = optimizer_type(model, optimizer_class, params, **zero_options, **options)
@@ -167,6 +174,15 @@ def _check_offload(zero_options: dict) -> bool:
     if companions and offload is None:
         raise TypeError(f"{companions} only apply with offload=\"cpu\": pass offload=\"cpu\" or leave them out")
     return offload is not None
+
+
+def _on_nodes(zero_options: dict) -> bool:
+    """Whether stage 3 runs on nodes (lesson 09); its options need ranks_per_node."""
+    given = sorted(k for k in NODE_OPTIONS - {"ranks_per_node"} if zero_options.get(k))
+    if given and zero_options.get("ranks_per_node") is None:
+        raise TypeError(f"{given} need ranks_per_node= (ranks per machine), e.g. prepare(..., stage=3, "
+                        "ranks_per_node=8, ...): they treat ranks on one node and across nodes differently")
+    return zero_options.get("ranks_per_node") is not None
 
 
 def _check_dtypes(model, param_dtype) -> None:
