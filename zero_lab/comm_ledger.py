@@ -83,7 +83,8 @@ class CommLedger:
         with _lock:
             _active.remove(self)
 
-    def record(self, kind: str, elements: int, element_size: int, group_size: int) -> None:
+    def record(self, kind: str, elements: int, element_size: int, group_size: int, group=None) -> None:
+        """Charge one collective; `group` is the process group it ran on (lesson 09 splits by its ranks)."""
         totals = self.totals[kind]
         totals.calls += 1
         totals.elements += elements
@@ -120,7 +121,7 @@ class CommLedger:
         return "\n".join(rows)
 
 
-def _record(kind: str, tensors, group_size: int, elements: int | None = None) -> None:
+def _record(kind: str, tensors, group_size: int, elements: int | None = None, group=None) -> None:
     if not _active:
         return
     tensors = list(tensors)
@@ -129,7 +130,7 @@ def _record(kind: str, tensors, group_size: int, elements: int | None = None) ->
     element_size = tensors[0].element_size() if tensors else 0
     with _lock:
         for ledger in _active:
-            ledger.record(kind, elements, element_size, group_size)
+            ledger.record(kind, elements, element_size, group_size, group)
 
 
 def _flat(nested):
@@ -160,77 +161,77 @@ class CountingProcessGroup(dist.ProcessGroup):
 
     # M = the tensor being reduced / broadcast.
     def allreduce(self, tensors, opts=c10d.AllreduceOptions()):
-        _record("all_reduce", tensors, self.size())
+        _record("all_reduce", tensors, self.size(), group=self)
         return self.inner.allreduce(tensors, opts)
 
     def allreduce_coalesced(self, tensors, opts=c10d.AllreduceCoalescedOptions()):
-        _record("all_reduce", tensors, self.size())
+        _record("all_reduce", tensors, self.size(), group=self)
         return self.inner.allreduce_coalesced(tensors, opts)
 
     def broadcast(self, tensors, opts=c10d.BroadcastOptions()):
-        _record("broadcast", tensors, self.size())
+        _record("broadcast", tensors, self.size(), group=self)
         return self.inner.broadcast(tensors, opts)
 
     def reduce(self, tensors, opts=c10d.ReduceOptions()):
-        _record("reduce", tensors, self.size())
+        _record("reduce", tensors, self.size(), group=self)
         return self.inner.reduce(tensors, opts)
 
     # M = the full (gathered / unscattered) size.
     def allgather(self, output_lists, inputs, opts=c10d.AllgatherOptions()):
-        _record("all_gather", _flat(output_lists), self.size())
+        _record("all_gather", _flat(output_lists), self.size(), group=self)
         return self.inner.allgather(output_lists, inputs, opts)
 
     def allgather_coalesced(self, output_lists, inputs, opts=c10d.AllgatherOptions()):
-        _record("all_gather", _flat(output_lists), self.size())
+        _record("all_gather", _flat(output_lists), self.size(), group=self)
         return self.inner.allgather_coalesced(output_lists, inputs, opts)
 
     def all_gather_single(self, output, input, opts=c10d.AllgatherOptions()):
-        _record("all_gather", [output], self.size())
+        _record("all_gather", [output], self.size(), group=self)
         return self.inner._allgather_base(output, input, opts)
 
     _allgather_base = all_gather_single
 
     def reduce_scatter(self, outputs, input_lists, opts=c10d.ReduceScatterOptions()):
-        _record("reduce_scatter", _flat(input_lists), self.size())
+        _record("reduce_scatter", _flat(input_lists), self.size(), group=self)
         return self.inner.reduce_scatter(outputs, input_lists, opts)
 
     def reduce_scatter_single(self, output, input, opts=c10d.ReduceScatterOptions()):
-        _record("reduce_scatter", [input], self.size())
+        _record("reduce_scatter", [input], self.size(), group=self)
         return self.inner._reduce_scatter_base(output, input, opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
     def alltoall_base(self, output, input, output_splits, input_splits, opts=c10d.AllToAllOptions()):
-        _record("all_to_all", [input], self.size())
+        _record("all_to_all", [input], self.size(), group=self)
         return self.inner.alltoall_base(output, input, output_splits, input_splits, opts)
 
     def alltoall(self, outputs, inputs, opts=c10d.AllToAllOptions()):
-        _record("all_to_all", inputs, self.size())
+        _record("all_to_all", inputs, self.size(), group=self)
         return self.inner.alltoall(outputs, inputs, opts)
 
     def gather(self, output_lists, inputs, opts=c10d.GatherOptions()):
-        _record("gather", inputs, self.size(), elements=sum(t.numel() for t in inputs) * self.size())
+        _record("gather", inputs, self.size(), elements=sum(t.numel() for t in inputs) * self.size(), group=self)
         return self.inner.gather(output_lists, inputs, opts)
 
     def scatter(self, outputs, input_lists, opts=c10d.ScatterOptions()):
-        _record("scatter", outputs, self.size(), elements=sum(t.numel() for t in outputs) * self.size())
+        _record("scatter", outputs, self.size(), elements=sum(t.numel() for t in outputs) * self.size(), group=self)
         return self.inner.scatter(outputs, input_lists, opts)
 
     # Point to point: M = what this rank sends.
     def send(self, tensors, dst, tag):
-        _record("send", tensors, self.size())
+        _record("send", tensors, self.size(), group=self)
         return self.inner.send(tensors, dst, tag)
 
     def recv(self, tensors, src, tag):
-        _record("recv", tensors, self.size())
+        _record("recv", tensors, self.size(), group=self)
         return self.inner.recv(tensors, src, tag)
 
     def recv_anysource(self, tensors, tag):
-        _record("recv", tensors, self.size())
+        _record("recv", tensors, self.size(), group=self)
         return self.inner.recv_anysource(tensors, tag)
 
     def barrier(self, opts=c10d.BarrierOptions()):
-        _record("barrier", [], self.size(), elements=0)
+        _record("barrier", [], self.size(), elements=0, group=self)
         return self.inner.barrier(opts)
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):

@@ -21,6 +21,9 @@ Options besides the optimizer's own (lr, betas, weight_decay, ...):
     bucket_numel=   stage 2: elements per gradient bucket
     units=, prefetch=, max_live_numel=, reshard_last=, init_fn=
                     stage 3: sharding units, prefetch depth and cap, meta-device init (zero_lab.zero3)
+    ranks_per_node=, qwz=, hpz=, qgz=, replicate_across_nodes=
+                    stage 3 on nodes of ranks_per_node ranks (lesson 09, zero_lab.zeropp): ZeRO++'s
+                    quantized weights, hierarchical partition, quantized gradients (any subset), or HSDP
     offload="cpu"   stages 1-2: ZeRO-Offload (lesson 06, zero_lab.offload): fp32 masters, Adam's states,
                     gradient shards and the update on the host; the 16-bit parameters on the device
     dpu_warmup_steps=  with offload: the one-step delayed parameter update after this many ordinary
@@ -50,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from zero_lab.stages import OFFLOAD_LESSON, OFFLOAD_MODULE, OFFLOAD_OPTIONS, STAGES
+from zero_lab.stages import NODE_OPTIONS, OFFLOAD_LESSON, OFFLOAD_MODULE, OFFLOAD_OPTIONS, STAGES
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16)
 _prepared = WeakIdKeyDictionary()  # model -> what prepare made of it last (holds its gradient hooks)
@@ -65,8 +68,12 @@ def prepare(model: torch.nn.Module, optimizer_class: type, stage: int = 0, *, pa
     _check_options(optimizer_class, stage, options)
     _check_dtypes(model, zero_options.get("param_dtype"))
     offload = _check_offload(zero_options)
-    module_name, lesson = (OFFLOAD_MODULE, OFFLOAD_LESSON) if offload else (row.module, row.lesson)
-    module = _lesson_module(module_name, lesson, f"stage {stage}{' with offload' if offload else ''}")
+    on_nodes = _on_nodes(zero_options)
+    module_name, lesson, builds = ((OFFLOAD_MODULE, OFFLOAD_LESSON, row.offload) if offload
+                                   else (row.nodes.module, row.nodes.lesson, row.nodes.builds) if on_nodes
+                                   else (row.module, row.lesson, row.builds))
+    variant = " with offload" if offload else " on nodes" if on_nodes else ""
+    module = _lesson_module(module_name, lesson, f"stage {stage}{variant}")
     param_dtype = zero_options.get("param_dtype")
     _warn_about_batch_norm(model)
     previous = _prepared.pop(model, None)
@@ -76,7 +83,7 @@ def prepare(model: torch.nn.Module, optimizer_class: type, stage: int = 0, *, pa
         if hasattr(previous, "unshard_model"):  # stage 3 sharded the model in place: whole parameters again
             previous.unshard_model()
         model.zero_grad(set_to_none=True)  # views into the old optimizer's buffers
-    built = getattr(module, row.offload if offload else row.builds)
+    built = getattr(module, builds)
     if row.wraps_model:
         wrapped, optimizer = _prepare_ddp(built, module, model, optimizer_class, params, param_dtype, options,
                                           zero_options.get("find_unused_parameters", False))
@@ -174,6 +181,15 @@ def _check_offload(zero_options: dict) -> bool:
     if companions and offload is None:
         raise TypeError(f"{companions} only apply with offload=\"cpu\": pass offload=\"cpu\" or leave them out")
     return offload is not None
+
+
+def _on_nodes(zero_options: dict) -> bool:
+    """Whether stage 3 runs on nodes (lesson 09); its options need ranks_per_node."""
+    given = sorted(k for k in NODE_OPTIONS - {"ranks_per_node"} if zero_options.get(k))
+    if given and zero_options.get("ranks_per_node") is None:
+        raise TypeError(f"{given} need ranks_per_node= (ranks per machine), e.g. prepare(..., stage=3, "
+                        "ranks_per_node=8, ...): they treat ranks on one node and across nodes differently")
+    return zero_options.get("ranks_per_node") is not None
 
 
 def _check_dtypes(model, param_dtype) -> None:

@@ -13,6 +13,17 @@ from dataclasses import dataclass
 
 OFFLOAD_LESSON, OFFLOAD_MODULE = "06_offload", "zero_lab.offload"
 OFFLOAD_OPTIONS = frozenset({"offload", "dpu_warmup_steps", "cpu_adam", "adam_threads"})
+# Stage 3 on nodes of ranks_per_node ranks (lesson 09): ZeRO++ (qwz, hpz, qgz) or HSDP.
+NODE_OPTIONS = frozenset({"ranks_per_node", "qwz", "hpz", "qgz", "replicate_across_nodes", "weights_block",
+                          "grads_block"})
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Where a stage's optimizer comes from when an option asks for another lesson's version of it."""
+    lesson: str
+    module: str
+    builds: str
 
 
 @dataclass(frozen=True)
@@ -25,6 +36,7 @@ class Stage:
     options: frozenset[str]  # prepare's options for this stage, besides the optimizer's own
     offload: str | None = None  # with offload="cpu": this class of OFFLOAD_MODULE instead (ZeRO-Offload)
     wraps_model: bool = False  # prepare returns builds(model) and the user's optimizer (DDP)
+    nodes: Variant | None = None  # with ranks_per_node=: this class instead (ZeRO++ and HSDP)
 
     @property
     def shards_parameters(self) -> bool:
@@ -40,7 +52,9 @@ STAGES = {
              offload="Zero2Offload"),
     3: Stage("P_os+g+p", ("master_params", "optimizer_states", "gradients", "parameters"), "05_zero3",
              "zero_lab.zero3", "Zero3Optimizer",
-             frozenset({"param_dtype", "max_grad_norm", "units", "prefetch", "max_live_numel", "reshard_last", "init_fn"})),
+             frozenset({"param_dtype", "max_grad_norm", "units", "prefetch", "max_live_numel", "reshard_last", "init_fn",
+                        *NODE_OPTIONS}),
+             nodes=Variant("09_zeropp", "zero_lab.zeropp", "ZeroPPOptimizer")),
 }
 
 
@@ -51,7 +65,9 @@ def prepare_arguments(lesson: str) -> list[str]:
     found = []
     for number, stage in STAGES.items():
         if stage.lesson == lesson:
-            found.append(entry(f"stage={number}", stage.options - OFFLOAD_OPTIONS))
+            found.append(entry(f"stage={number}", stage.options - OFFLOAD_OPTIONS - NODE_OPTIONS))
+        if stage.nodes and lesson == stage.nodes.lesson:
+            found.append(entry(f"stage={number}, ranks_per_node=N", stage.options & NODE_OPTIONS - {"ranks_per_node"}))
         if stage.offload and lesson == OFFLOAD_LESSON:
             found.append(entry(f'stage={number}, offload="cpu"', stage.options - {"offload"}))
     return found
@@ -67,6 +83,8 @@ def markdown() -> str:
         builds = f"`{stage.module}.{stage.builds}`"
         if stage.offload:
             builds += f"; offload=\"cpu\": `{OFFLOAD_MODULE}.{stage.offload}` ({OFFLOAD_LESSON})"
+        if stage.nodes:
+            builds += f"; ranks_per_node=: `{stage.nodes.module}.{stage.nodes.builds}` ({stage.nodes.lesson})"
         options = ", ".join(f"`{option}`" for option in sorted(stage.options))
         rows.append(f"| {number} | {stage.name} | {', '.join(stage.partitions) or 'nothing (replicated)'} "
                     f"| {stage.lesson} | {builds} | {options} |")

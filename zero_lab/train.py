@@ -24,14 +24,16 @@ from zero_lab.models import GPT, GPTConfig
 from zero_lab.stages import STAGES
 
 
-def train(stage: int, steps: int, global_batch: int, lr: float, seed: int = 0) -> list[float]:
-    """Train on this rank; return the global mean loss of every step."""
+def train(stage: int, steps: int, global_batch: int, lr: float, seed: int = 0, **zero_options) -> list[float]:
+    """Train on this rank; return the global mean loss of every step. zero_options go to prepare
+    (ranks_per_node=, qwz=, ... for lesson 09)."""
     from zero_lab.prepare import prepare  # lesson 03 onwards
 
     device = init_distributed()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     config = GPTConfig()
-    model, optimizer = prepare(GPT(config, seed=seed).to(device), torch.optim.AdamW, stage=stage, lr=lr)
+    model, optimizer = prepare(GPT(config, seed=seed).to(device), torch.optim.AdamW, stage=stage, lr=lr,
+                               **zero_options)
     batches = token_batches(steps, global_batch, config.block_size, config.vocab_size, seed=seed)
     rank_losses = []
     with CommLedger() as ledger:  # counts the training's collectives only
@@ -46,7 +48,8 @@ def train(stage: int, steps: int, global_batch: int, lr: float, seed: int = 0) -
     dist.all_reduce(losses)  # the mean over ranks is the global batch's mean loss
     losses = (losses / world_size).tolist()
     if rank == 0:
-        print(f"stage {stage}, {world_size} ranks: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {steps} steps")
+        setup = "".join(f" {k}={v}" for k, v in zero_options.items())
+        print(f"stage {stage}{setup}, {world_size} ranks: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {steps} steps")
         print(f"bytes sent per rank in {steps} steps (ring convention, docs/communication.md):")
         print(ledger.table())
     return losses
@@ -61,10 +64,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--global-batch", type=int, default=12, help="split evenly over the ranks")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--nproc", type=int, default=2, help="ranks to start when not under torchrun")
+    parser.add_argument("--ranks-per-node", type=int, help="stage 3 on nodes of this many ranks (lesson 09)")
+    parser.add_argument("--zeropp", default="", help="with --ranks-per-node: any of qwz,hpz,qgz (comma-separated)")
+    parser.add_argument("--hsdp", action="store_true", help="with --ranks-per-node: shard in the node, replicate across")
     args = parser.parse_args(argv)
     run = (args.stage, args.steps, args.global_batch, args.lr)
+    techniques = [t for t in args.zeropp.split(",") if t]
+    if (techniques or args.hsdp) and args.ranks_per_node is None:
+        parser.error("--zeropp and --hsdp need --ranks-per-node")
+    if unknown := sorted(set(techniques) - {"qwz", "hpz", "qgz"}):
+        parser.error(f"--zeropp takes qwz, hpz, qgz (comma-separated), not {','.join(unknown)}")
+    options = dict.fromkeys(techniques, True)
+    if args.ranks_per_node is not None:
+        options.update(ranks_per_node=args.ranks_per_node, replicate_across_nodes=args.hsdp)
     if "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ:  # started by torchrun
-        train(*run)
+        train(*run, **options)
         dist.destroy_process_group()
         # Leave without the interpreter's teardown: there, about one run in ten on a loaded machine
         # aborted in C++ ("terminate called without an active exception") after training and the
@@ -73,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.stderr.flush()
         os._exit(0)
     else:
-        launch(train, args.nproc, *run, timeout=600)
+        launch(train, args.nproc, *run, timeout=600, **options)
 
 
 if __name__ == "__main__":
