@@ -189,8 +189,10 @@ def launch(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, **kwarg
 
 
 def launch_restored(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> list:
-    """`launch` for tests that grade code: each rank first puts torch.distributed and the comm
-    ledger back as they were when zero_lab was imported, before any learner code ran.
+    """`launch` for tests that grade code: each rank first puts builtins, torch, torch.distributed,
+    c10d and zero_lab's modules (the comm ledger among them) back as they were when zero_lab was
+    imported, before any learner code ran (when grading: before the notebook's first cell, and
+    every `launch` does this).
 
     A monkey-patch made since (`dist.all_reduce = lambda *a, **k: None`, a stubbed ledger
     recorder, `dist` rebound to a fake in the notebook) has no effect in the ranks, so what a

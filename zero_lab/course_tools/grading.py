@@ -4,7 +4,8 @@ nbgrader keeps the hidden tests in its gradebook, so grading builds a throwaway 
 temporary folder: the lesson's source from solutions/ goes through `generate_assignment`
 (which records every test cell, hidden parts included), each notebook to grade becomes the
 submission of one student, and `nbgrader autograde` runs them with the test cells restored
-from the gradebook (confined as sandbox.py says). Demo cells (tagged `demo`, `seed:<id>` or
+from the gradebook (confined as sandbox.py says; a test earns points only for the notebook's
+own code, as grading_guard.py says). Demo cells (tagged `demo`, `seed:<id>` or
 `q:<id>`) are dropped from the graded copy: they must define nothing a test needs. A cell that hangs is interrupted after
 `Execute.timeout` (nbgrader_config.py); test cells also give `zero_lab.launch` a short
 timeout of their own. If a cell kills the kernel, that cell is skipped and the notebook graded
