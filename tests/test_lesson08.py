@@ -68,8 +68,49 @@ def test_ask_prints_the_best_matches(capsys):
     assert cli.main(["ask", "stage", "3", "communication", "1.5"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("stage3-1.5x · Why does stage 3 cost 1.5×")
-    assert "course/08_interview/08_interview.ipynb" in out and "q:stage3-1.5x" in out
+    assert "zero-lab start 08" in out and "heading “stage3-1.5x ·”" in out and "q:stage3-1.5x" in out
+    assert "course/" not in out, "point to the learner's copy (`zero-lab start 08`), not the release"
     assert "No question matches" in questions.ask(["xyzzy"])
+
+
+TOP_ANSWERS = {  # a learner's question -> the answer `zero-lab ask` must put first
+    "does offload slow down training": "003-S2",
+    "stage 3 communication 1.5": "stage3-1.5x",
+    "what is fsdp": "fsdp",
+    "delayed parameter update": "dpu",
+    "tied weights": "tied",
+    "gradient accumulation": "accumulation",
+    "clip gradients": "clipping",
+    "node failure": "001-13",
+    "who proposed zero": "myth-google",
+    "16 bytes per parameter": "16psi",
+    "prefetch": "reshard-prefetch",
+    "ZeRO-R residual memory": "zero-r",
+    "mixed precision memory": "001-23",
+}
+
+
+def test_ask_ranks_by_the_questions_topic_words(bank):
+    for query, expected in TOP_ANSWERS.items():
+        ranked = [q.id for q in questions.rank(bank, questions.WORD.findall(query.lower()))]
+        assert ranked and ranked[0] == expected, f"{query!r}: {ranked[:5]}"
+    offload = [q.id for q in questions.rank(bank, ["does", "offload", "slow", "down", "training"])[:5]]
+    assert sum(q.startswith("003-") for q in offload) >= 3, offload
+
+
+def test_index_points_to_the_learners_copy_and_the_cell(bank):
+    index = questions.index_markdown(bank)
+    assert "zero-lab start 08" in index and "../course/" not in index
+    for q in bank:
+        assert f"`{q.tag}`" in index
+    cited = [q for q in bank if not q.cells]
+    assert cited and all("answer:cited" in tags for tags in _tags_of(cited)), "a prose-only answer is tagged answer:cited"
+
+
+def _tags_of(qs):
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    return [next(c.metadata.get("tags", []) for c in nb.cells if c.cell_type == "markdown"
+                 and c.source.startswith(f"### {q.id} ·")) for q in qs]
 
 
 # Drills: typical wrong answers fail the tests, hidden ones included (the reference's full marks are
@@ -83,7 +124,7 @@ def _run_drill(nb, test_id, replacement=None, seeds=None):
     """Exec the lesson's set-up cell and the drills' reference solutions (one replaced by
     `replacement`), then test `test_id`, hidden tests included; `seeds` replaces their fixed seeds."""
     namespace = {}
-    exec(nb.cells[1].source, namespace)  # CONFIG, BATCHES, prepare, the ledgers, ...
+    exec(next(c.source for c in nb.cells if c.cell_type == "code"), namespace)  # CONFIG, BATCHES, prepare, ledgers
     for source in _cells(nb, r"#\| solution (drill-\S+)").values():
         exec(source, namespace)
     if replacement:
