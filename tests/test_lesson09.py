@@ -96,6 +96,26 @@ def test_hsdp_with_three_ranks_per_node_matches():
                  _single("tied"), atol=1e-5, rtol=1e-5)
 
 
+def _hsdp_full_weights(name):
+    """After HSDP training: the whole weights through lesson 05's exits (sharded over the node)."""
+    make, batches, loss = MODELS[name]
+    model = make()
+    params = [p for p in model.parameters() if p.requires_grad]
+    model, optimizer = prepare(model, torch.optim.AdamW, stage=3, params=params, ranks_per_node=2,
+                               replicate_across_nodes=True, **ADAMW)
+    train(model, optimizer, batches(), loss)
+    state = model.state_dict()
+    with optimizer.gathered_parameters():
+        gathered = weights(model)
+    return {name: state[name] for name in gathered}, gathered
+
+
+def test_hsdp_state_dict_and_gathered_parameters_give_the_whole_weights():
+    expected = _single("tied")
+    for from_state_dict, from_gathered in launch(_hsdp_full_weights, 4, "tied", timeout=120):
+        assert_close([from_state_dict, from_gathered], expected, atol=1e-5, rtol=1e-5)
+
+
 def test_quantized_training_stays_close_to_exact():
     exact = _single("tied")
     got = launch(_distributed, 4, "tied", dict(ranks_per_node=2, qwz=True, hpz=True, qgz=True), timeout=120)[0]

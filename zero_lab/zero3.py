@@ -501,12 +501,12 @@ class UnitSchedule:
 
 @torch.no_grad()
 def build_unit(name: str, params: list[torch.nn.Parameter], names: dict, param_dtype: torch.dtype | None,
-               init_fn: Callable[[str, torch.Tensor], None] | None) -> Unit:
-    """Shard one unit: its full fp32 weights (rank 0's, broadcast, or made by init_fn for meta
-    parameters) exist only inside this call; the Unit keeps this rank's shard, its fp32 master,
-    a gradient shard and one ShardSlice per trainable parameter. Meta parameters are replaced by
-    new ones in unit.params (the caller puts those into the modules)."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+               init_fn: Callable[[str, torch.Tensor], None] | None, group=None) -> Unit:
+    """Shard one unit over the ranks of `group` (None: all ranks): its full fp32 weights (rank 0's,
+    broadcast, or made by init_fn for meta parameters) exist only inside this call; the Unit keeps
+    this rank's shard, its fp32 master, a gradient shard and one ShardSlice per trainable parameter.
+    Meta parameters are replaced by new ones in unit.params (the caller puts those into the modules)."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     layout = ShardLayout(sum(p.numel() for p in params), world_size)
     on_meta = any(p.device.type == "meta" for p in params)
     device = params[0].device if not on_meta else (
@@ -569,7 +569,7 @@ class ShardedModelState:
     @torch.no_grad()
     def _write_through(self, unit: Unit, full: torch.Tensor) -> None:
         """Make this rank's part of `full` (the whole unit) its new fp32 master and shard."""
-        start, stop = unit.layout.shard(self.rank)
+        start, stop = unit.layout.shard(dist.get_rank(self.shard_group))
         unit.master.copy_(full[start:stop])
         if unit.shard is not unit.master:
             unit.shard.copy_(unit.master)
@@ -578,7 +578,7 @@ class ShardedModelState:
     def _full_masters(self, unit: Unit) -> list[torch.Tensor]:
         """The unit's whole fp32 weights, one tensor of its own per parameter (an all-gather)."""
         full = unit.master.new_empty(unit.layout.padded_numel)
-        dist.all_gather_single(full, unit.master)
+        dist.all_gather_single(full, unit.master, group=self.shard_group)
         return [view.clone() for view in unit.views_of(full)]
 
     def _model_state_hooks(self) -> list:
@@ -739,6 +739,8 @@ class Zero3Optimizer(ShardedModelState, OptimizerOverCopies):
 
     stage = 3
     schedule_class = UnitSchedule  # a subclass may bring its own (lesson 09's ZeRO++)
+    shard_group = None  # the ranks each unit is sharded over (None: all); a subclass that sets it (lesson
+    # 09's HSDP: one node) brings a schedule that gathers and reduces over it
 
     def __init__(self, model, optimizer_class=torch.optim.AdamW, params=None, *, param_dtype=None, max_grad_norm=None,
                  units=None, prefetch: int = 1, max_live_numel: int | None = None, reshard_last: bool = True,
@@ -757,7 +759,7 @@ class Zero3Optimizer(ShardedModelState, OptimizerOverCopies):
         for name, module, owned, uses in sharding_units(model, units or default_is_unit):
             if owned:
                 unit_index[name] = len(self.units)
-                self.units.append(build_unit(name, owned, names, param_dtype, init_fn))
+                self.units.append(build_unit(name, owned, names, param_dtype, init_fn, self.shard_group))
                 for old, new in zip(owned, self.units[-1].params):
                     if new is not old:
                         self._replace_parameter(old, new)

@@ -13,7 +13,8 @@ quantized_all_to_all         one all-to-all of quantized rows, dequantized on ar
 hierarchical_reduce_scatter  qgZ: intra-node all-to-all, reduce, inter-node all-to-all, reduce
 keep_secondary, gather_secondary  hpZ: this rank's slice of a node-wide copy, re-gathered in the node
 hsdp_reduce_gradients        HSDP: reduce-scatter in the node, all-reduce the shard across nodes
-ZeroPPOptimizer              lesson 05's Zero3Optimizer with the gathers and reductions above
+ZeroPPSchedule               lesson 05's UnitSchedule with the gathers and reductions above
+ZeroPPOptimizer              lesson 05's Zero3Optimizer with that schedule (HSDP: sharded over the node)
 
 ZeRO++ (Wang et al., 2023, arXiv 2306.10209): stage 3 moves 3M bytes between nodes per step (M =
 the model in 16 bits): qwZ halves the forward all-gather (int8), hpZ keeps the backward all-gather
@@ -23,6 +24,7 @@ HSDP (FSDP2 with a 2-D mesh; MiCS) shards inside a node and replicates across no
 
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import partial
 from fractions import Fraction
 
 import torch
@@ -30,7 +32,7 @@ import torch.distributed as dist
 
 from zero_lab.comm_ledger import CommLedger
 from zero_lab.zero1 import param_views
-from zero_lab.zero3 import Unit, Zero3Optimizer
+from zero_lab.zero3 import Unit, UnitSchedule, Zero3Optimizer
 
 
 @dataclass(frozen=True)
@@ -248,39 +250,27 @@ def hsdp_reduce_gradients(flat_grad: torch.Tensor, node_group, peer_group) -> to
 TECHNIQUES = ("qwz", "hpz", "qgz")
 
 
-class ZeroPPOptimizer(Zero3Optimizer):
-    """Stage 3 on nodes of `ranks_per_node` ranks, with any of ZeRO++'s techniques, or HSDP.
+class ZeroPPSchedule(UnitSchedule):
+    """Lesson 05's unit schedule with ZeRO++'s gathers and reductions, or HSDP's node-wide ones.
 
-    qwz                     forward all-gathers of int8 shards + per-block scales (weights_block elements)
-    hpz                     after each forward gather, keep this rank's slice of a node-wide copy;
-                            backward re-gathers from those slices, inside the node
-    qgz                     gradients reduced by the 2-hop all-to-all of int4 blocks (grads_block elements)
-    replicate_across_nodes  HSDP: units sharded over the node only, gradient shards all-reduced across nodes
-    Other options are Zero3Optimizer's; units are gathered when needed (prefetch=0).
+    The same hooks and order; two extension points change: all_gather (qwZ's int8 forward gather,
+    hpZ's backward gather from the node's secondary slices, HSDP's gather inside the node) and
+    reduce_scatter (qgZ's 2-hop int4 all-to-all, HSDP's reduce-scatter in the node and all-reduce
+    across nodes). release stays: hpZ's secondary slice outlives the freed unit by design.
     """
 
-    def __init__(self, model, optimizer_class=torch.optim.AdamW, params=None, *, ranks_per_node: int,
-                 qwz: bool = False, hpz: bool = False, qgz: bool = False, replicate_across_nodes: bool = False,
-                 weights_block: int = 256, grads_block: int = 256, **options):
-        self.layout = NodeLayout(dist.get_world_size(), ranks_per_node)
-        if replicate_across_nodes and (qwz or hpz or qgz):
-            raise ValueError("replicate_across_nodes (HSDP) already keeps every gather inside the node: combine it "
-                             "with none of qwz, hpz, qgz (those are ZeRO++ on top of stage 3's global shards)")
-        if options.get("prefetch", 0):
-            raise ValueError("ZeRO++ and HSDP here gather each unit when its module runs: leave prefetch out (or 0)")
-        if replicate_across_nodes and options.get("max_grad_norm") is not None:
-            raise ValueError("max_grad_norm with replicate_across_nodes is not implemented: clip without HSDP")
-        _check_bits(8, weights_block), _check_bits(4, grads_block)
-        self.qwz, self.hpz, self.qgz, self.hsdp = qwz, hpz, qgz, replicate_across_nodes
+    def __init__(self, model, units, calls, *, layout: NodeLayout, node_group, peer_group, qwz: bool, hpz: bool,
+                 qgz: bool, hsdp: bool, weights_block: int, grads_block: int, **options):
+        super().__init__(model, units, calls, **options)
+        self.layout, self.node_group, self.peer_group = layout, node_group, peer_group
+        self.qwz, self.hpz, self.qgz, self.hsdp = qwz, hpz, qgz, hsdp
         self.weights_block, self.grads_block = weights_block, grads_block
-        self.node_group, self.peer_group = node_groups(self.layout)
         self.secondaries = {}  # hpZ: unit -> this rank's slice of its node-wide copy
-        super().__init__(model, optimizer_class, params, **{**options, "prefetch": 0})
 
-    # ---- the two places where ZeRO++ changes stage 3: gathering a unit, reducing its gradients
     @torch.no_grad()
-    def gather_params(self, unit: Unit, phase: str) -> None:
-        """Give unit.flat its storage back and fill it, the way `phase` ("forward"/"backward") calls for."""
+    def all_gather(self, unit: Unit, phase: str, async_op: bool = False) -> None:
+        """Give unit.flat its storage back and fill it, the way `phase` calls for (always at once:
+        ZeRO++ here does not prefetch, so there is no handle to return)."""
         unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
         if self.hsdp:
             dist.all_gather_single(unit.flat, unit.shard, group=self.node_group)
@@ -294,8 +284,9 @@ class ZeroPPOptimizer(Zero3Optimizer):
             self.secondaries[unit] = keep_secondary(unit.flat, self.layout, dist.get_rank())
 
     @torch.no_grad()
-    def reduce_grads(self, unit: Unit, grad_shard: torch.Tensor) -> None:
-        """Add this rank's shard of the mean of the unit's gradients over all ranks into grad_shard."""
+    def reduce_scatter(self, unit: Unit) -> None:
+        """Add this rank's shard of the mean of the unit's gradients over all ranks into unit.grad_shard."""
+        grad_shard = unit.grad_shard
         flat_grad = grad_shard.new_zeros(unit.layout.padded_numel)
         for p, view in zip(unit.params, param_views(flat_grad, unit.params)):
             if p.grad is not None:
@@ -312,57 +303,50 @@ class ZeroPPOptimizer(Zero3Optimizer):
             dist.reduce_scatter_single(received, flat_grad)
             grad_shard += received / dist.get_world_size()
 
-    # ---- adapters: where lesson 05's Zero3Optimizer gathers and reduces (its _acquire, _reduce, _add_unit)
-    def _acquire(self, index, phase):
-        unit = self.units[index]
-        if not unit.is_gathered():
-            self.gather_params(unit, phase)
-            self._log(phase, "gather", unit)
 
-    def _reduce(self, unit):
-        self.reduce_grads(unit, self.grad_shards[self.number[unit]])
-        unit.ready.clear()
-        self.reduced.add(unit)
-        if unit.holders == 0 and unit.is_gathered():
-            self._free(unit, "backward")
+class ZeroPPOptimizer(Zero3Optimizer):
+    """Stage 3 on nodes of `ranks_per_node` ranks, with any of ZeRO++'s techniques, or HSDP.
 
-    def _add_unit(self, *args):
-        if not self.hsdp:
-            return super()._add_unit(*args)
-        self.rank, self.world_size = self.layout.local_rank(dist.get_rank()), self.layout.ranks_per_node
-        try:  # HSDP lays each unit out over the ranks of one node: this rank keeps 1/ranks_per_node of it
-            super()._add_unit(*args)
-        finally:
-            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+    qwz                     forward all-gathers of int8 shards + per-block scales (weights_block elements)
+    hpz                     after each forward gather, keep this rank's slice of a node-wide copy;
+                            backward re-gathers from those slices, inside the node
+    qgz                     gradients reduced by the 2-hop all-to-all of int4 blocks (grads_block elements)
+    replicate_across_nodes  HSDP: units sharded over the node only (shard_group), gradient shards
+                            all-reduced across nodes
+    Other options are Zero3Optimizer's; units are gathered when needed (prefetch=0).
+    """
 
-    # ---- what differs for HSDP's node-wide shards
+    def __init__(self, model, optimizer_class=torch.optim.AdamW, params=None, *, ranks_per_node: int,
+                 qwz: bool = False, hpz: bool = False, qgz: bool = False, replicate_across_nodes: bool = False,
+                 weights_block: int = 256, grads_block: int = 256, **options):
+        self.layout = NodeLayout(dist.get_world_size(), ranks_per_node)
+        if replicate_across_nodes and (qwz or hpz or qgz):
+            raise ValueError("replicate_across_nodes (HSDP) already keeps every gather inside the node: combine it "
+                             "with none of qwz, hpz, qgz (those are ZeRO++ on top of stage 3's global shards)")
+        if options.get("prefetch", 0):
+            raise ValueError("ZeRO++ and HSDP here gather each unit when its module runs: leave prefetch out (or 0)")
+        if replicate_across_nodes and options.get("max_grad_norm") is not None:
+            raise ValueError("max_grad_norm with replicate_across_nodes is not implemented: clip without HSDP")
+        _check_bits(8, weights_block), _check_bits(4, grads_block)
+        self.hsdp = replicate_across_nodes
+        node_group, peer_group = node_groups(self.layout)
+        if self.hsdp:
+            self.shard_group = node_group  # each unit sharded over the node: this rank keeps 1/ranks_per_node of it
+        self.schedule_class = partial(ZeroPPSchedule, layout=self.layout, node_group=node_group, peer_group=peer_group,
+                                      qwz=qwz, hpz=hpz, qgz=qgz, hsdp=self.hsdp, weights_block=weights_block,
+                                      grads_block=grads_block)
+        super().__init__(model, optimizer_class, params, **{**options, "prefetch": 0})
+
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         held = super().model_state_tensors()
-        held["parameters"] += list(self.secondaries.values())  # hpZ's node-wide copy
+        held["parameters"] += list(self.schedule.secondaries.values())  # hpZ's node-wide copy
         return held
 
+    # ---- what HSDP's replicated shards do not support (a norm or a gather over all ranks would count them twice)
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         if self.hsdp:
             raise NotImplementedError("clipping with replicate_across_nodes is not implemented: clip without HSDP")
         return super().clip_grad_norm_(max_norm)
-
-    @torch.no_grad()
-    def unshard_model(self) -> None:
-        if not self.hsdp:
-            return super().unshard_model()
-        for handle in self.hook_handles:
-            handle.remove()
-        for unit, master in zip(self.units, self.masters):
-            full = master.new_empty(unit.layout.padded_numel)
-            dist.all_gather_single(full, master, group=self.node_group)
-            unit.flat.untyped_storage().resize_(0)
-            for p, view in zip(unit.params, param_views(full, unit.params)):
-                p.data = view.clone()
-
-    def gathered_parameters(self, params=None, modifier_rank=None):
-        if self.hsdp:
-            raise NotImplementedError("gathered_parameters with replicate_across_nodes is not implemented")
-        return super().gathered_parameters(params, modifier_rank)
 
     def consolidated_state_dict(self, dst: int = 0):
         if self.hsdp:
