@@ -153,8 +153,9 @@ def _check_options(optimizer_class, stage, options) -> None:
         raise TypeError("offload works with stages 1 and 2 in this course (ZeRO-Offload, lesson 06): "
                         'use stage=2 with offload="cpu", or stage=3 without it')
     elsewhere = {k for s, names in ZERO_OPTIONS.items() if s != stage for k in names}
-    hints = [f"{k!r} needs stage {min(s for s, names in ZERO_OPTIONS.items() if k in names)} or higher"
-             for k in unknown if k in elsewhere]
+    stages_of = {k: sorted(s for s, names in ZERO_OPTIONS.items() if k in names) for k in unknown if k in elsewhere}
+    hints = [f"{k!r} needs stage {stages[0]} or higher" if stages[0] > stage else f"{k!r} works with stages {stages}"
+             for k, stages in stages_of.items()]
     if stage == 0 and "max_grad_norm" in unknown:
         hints.append("with DDP every rank has the whole averaged gradient: call "
                      "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) before optimizer.step()")
