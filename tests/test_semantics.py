@@ -51,9 +51,47 @@ def _train_two_heads(model, optimizer, steps=len(BRANCHES), first=0):
         optimizer.zero_grad()
 
 
-def _single_process_two_heads(optimizer_class=torch.optim.AdamW, **options):
-    model = TwoHeads()
-    _train_two_heads(model, optimizer_class(model.parameters(), **(options or ADAMW)))
+def _new_model(model_class, seed):
+    return TwoHeads(seed) if model_class is TwoHeads else MLP(SIZES, seed=seed)
+
+
+def _losses(model_class):
+    """The loss of each step, as a function of the model, on the whole global batch."""
+    if model_class is TwoHeads:
+        batches = regression_batches(len(BRANCHES), GLOBAL_BATCH, 6, 5, seed=1)
+        return [lambda m, b=b, branch=branch: F.mse_loss(m(b[0], branch), b[1]) for b, branch in zip(batches, BRANCHES)]
+    return [lambda m, b=b: mlp_loss(m, b) for b in mlp_batches()]
+
+
+def _reference(model_class=MLP, warmup_steps=None, make_scheduler=None, change=None,
+               optimizer_class=torch.optim.AdamW, **options):
+    """One process, torch.optim on the whole batch; with warmup_steps, lesson 06's delayed algorithm
+    (the gradients of step t come from the parameters of step t - 2 once past the warm-up); with
+    change=(k, fn), fn(model) after step k."""
+    model, master = _new_model(model_class, 0), _new_model(model_class, 0)
+    optimizer = optimizer_class(master.parameters(), **(options or ADAMW))
+    scheduler = make_scheduler(optimizer) if make_scheduler else None
+    delays = warmup_steps is not None
+
+    def upload():
+        model.load_state_dict(master.state_dict())
+
+    for step, loss in enumerate(_losses(model_class), start=1):
+        loss(model).backward()
+        for p, q in zip(model.parameters(), master.parameters()):
+            q.grad, p.grad = p.grad, None  # None stays None: torch.optim skips that parameter
+        if delays and step > warmup_steps:
+            upload()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        optimizer.zero_grad()
+        if not delays or step <= warmup_steps:
+            upload()
+        if change is not None and step == change[0]:
+            change[1](master)
+            upload()
+    upload()
     return weights(model)
 
 
@@ -70,39 +108,13 @@ def _two_heads_on_ranks(options, optimizer_class=torch.optim.AdamW, optimizer_op
     return _flushed_weights(model, optimizer)
 
 
-def _dpu_reference_two_heads(warmup_steps):
-    """One process, the delayed algorithm (lesson 06) on TwoHeads: gradients of step t come from the
-    parameters of step t - 2 once past the warm-up."""
-    model, master = TwoHeads(), TwoHeads()
-    optimizer = torch.optim.AdamW(master.parameters(), **ADAMW)
-    batches = list(regression_batches(len(BRANCHES), GLOBAL_BATCH, 6, 5, seed=1))
-
-    def upload():
-        for p, q in zip(model.parameters(), master.parameters()):
-            p.data.copy_(q.data)
-
-    for step, branch in enumerate(BRANCHES, start=1):
-        F.mse_loss(model(batches[step - 1][0], branch), batches[step - 1][1]).backward()
-        for p, q in zip(model.parameters(), master.parameters()):
-            q.grad, p.grad = p.grad, None
-        if step > warmup_steps:
-            upload()
-        optimizer.step()
-        optimizer.zero_grad()
-        if step <= warmup_steps:
-            upload()
-    upload()
-    return weights(model)
-
-
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("setup", SETUPS)
 def test_unused_parameter_is_not_updated(setup, world_size):
     """Each head is skipped in some steps: torch.optim leaves it (weights, moments, step count) as it
     is, so that its later updates use its own step count; `spare` never moves."""
     options = SETUPS[setup]
-    warmup = options.get("dpu_warmup_steps")
-    expected = _single_process_two_heads() if warmup is None else _dpu_reference_two_heads(warmup)
+    expected = _reference(TwoHeads, warmup_steps=options.get("dpu_warmup_steps"))
     results = launch(_two_heads_on_ranks, world_size, options, timeout=90)
     assert_close(results, expected)
     for got in results:
@@ -112,7 +124,7 @@ def test_unused_parameter_is_not_updated(setup, world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_unused_parameter_is_not_updated_at_stage_0(world_size):
     results = launch(_two_heads_on_ranks, world_size, dict(stage=0), timeout=90)
-    assert_close(results, _single_process_two_heads())
+    assert_close(results, _reference(TwoHeads))
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -120,7 +132,7 @@ def test_unused_parameter_is_not_updated_with_sgd_momentum(stage):
     """SGD's momentum buffer: a parameter first used late starts it fresh, as torch does."""
     sgd = dict(lr=0.1, momentum=0.9, dampening=0.5, weight_decay=0.01)
     results = launch(_two_heads_on_ranks, 3, dict(stage=stage), torch.optim.SGD, sgd, timeout=90)
-    assert_close(results, _single_process_two_heads(torch.optim.SGD, **sgd))
+    assert_close(results, _reference(TwoHeads, optimizer_class=torch.optim.SGD, **sgd))
 
 
 def _unused_without_the_option(stage, offload):
@@ -133,37 +145,6 @@ def _unused_without_the_option(stage, offload):
 def test_parameter_without_gradient_names_find_unused_parameters(stage, offload):
     with pytest.raises(Exception, match=r"find_unused_parameters=True"):
         launch(_unused_without_the_option, 2, stage, offload, timeout=60)
-
-
-def _reference(warmup_steps=None, make_scheduler=None, change=None):
-    """One process, AdamW on the whole batch; with warmup_steps, lesson 06's delayed algorithm (the
-    gradients of step t come from the parameters of step t - 2 once past the warm-up); with
-    change=(k, fn), fn(model) after step k."""
-    model, master = MLP(SIZES, seed=0), MLP(SIZES, seed=0)
-    optimizer = torch.optim.AdamW(master.parameters(), **ADAMW)
-    scheduler = make_scheduler(optimizer) if make_scheduler else None
-    delays = warmup_steps is not None
-
-    def upload():
-        model.load_state_dict(master.state_dict())
-
-    for step, batch in enumerate(mlp_batches(), start=1):
-        mlp_loss(model, batch).backward()
-        for p, q in zip(model.parameters(), master.parameters()):
-            q.grad, p.grad = p.grad, None
-        if delays and step > warmup_steps:
-            upload()
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-        optimizer.zero_grad()
-        if not delays or step <= warmup_steps:
-            upload()
-        if change is not None and step == change[0]:
-            change[1](master)
-            upload()
-    upload()
-    return weights(model)
 
 
 def _lambda_lr(optimizer):
@@ -290,10 +271,6 @@ CONSOLIDATE_SETUPS = {
 }
 
 
-def _new_model(model_class, seed):
-    return TwoHeads(seed) if model_class is TwoHeads else MLP(SIZES, seed=seed)
-
-
 def _consolidate(options, steps, model_class, unused):
     model, optimizer = prepare(_new_model(model_class, 0), torch.optim.AdamW, find_unused_parameters=unused, **options, **ADAMW)
     if model_class is TwoHeads:
@@ -333,7 +310,7 @@ def test_consolidated_state_keeps_each_parameter_s_step_count(stage):
     options = CONSOLIDATE_SETUPS[f"stage {stage}"]
     full = launch(_consolidate, 3, options, 6, TwoHeads, True, timeout=90)[0]
     results = launch(_continue_from, 2, options, full, 6, TwoHeads, True, timeout=90)
-    expected = _single_process_two_heads()
+    expected = _reference(TwoHeads)
     assert_close(results, expected)
     state = torch.load(io.BytesIO(full))
     model = TwoHeads(seed=5)

@@ -160,8 +160,9 @@ def _check_options(optimizer_class, stage, options) -> None:
         raise TypeError(f"offload works with stages {offloaded} in this course (ZeRO-Offload, lesson 06): "
                         f'use stage=2 with offload="cpu", or stage={stage} without it')
     elsewhere = {k for s, row in STAGES.items() if s != stage for k in row.options}
-    hints = [f"{k!r} needs stage {min(s for s, row in STAGES.items() if k in row.options)} or higher"
-             for k in unknown if k in elsewhere]
+    stages_of = {k: sorted(s for s, row in STAGES.items() if k in row.options) for k in unknown if k in elsewhere}
+    hints = [f"{k!r} needs stage {stages[0]} or higher" if stages[0] > stage else f"{k!r} works with stages {stages}"
+             for k, stages in stages_of.items()]
     if stage == 0 and "max_grad_norm" in unknown:
         hints.append("with DDP every rank has the whole averaged gradient: call "
                      "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) before optimizer.step()")
