@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import zero_lab
-from zero_lab.course_tools import build, cli, questions
+from zero_lab.course_tools import build, cli, questions, where
 from zero_lab.course_tools.implementation import REPO
 
 NOTEBOOK = build.source_notebook(REPO, questions.LESSON)
@@ -124,7 +124,8 @@ def _run_drill(nb, test_id, replacement=None, seeds=None):
     """Exec the lesson's set-up cell and the drills' reference solutions (one replaced by
     `replacement`), then test `test_id`, hidden tests included; `seeds` replaces their fixed seeds."""
     namespace = {}
-    exec(next(c.source for c in nb.cells if c.cell_type == "code"), namespace)  # CONFIG, BATCHES, prepare, ledgers
+    exec(next(c.source for c in nb.cells if c.cell_type == "code" and not where.is_where_cell(c)),
+         namespace)  # CONFIG, BATCHES, prepare, ledgers
     for source in _cells(nb, r"#\| solution (drill-\S+)").values():
         exec(source, namespace)
     if replacement:

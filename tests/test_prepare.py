@@ -185,7 +185,7 @@ def _prepare_a_stage_of_one_row():
 def test_a_stage_is_one_row_of_the_table_and_an_unbuilt_one_names_its_lesson():
     unbuilt, unknown = launch(_prepare_a_stage_of_one_row, 1, timeout=60)[0]
     assert unbuilt == "stage 4 needs zero_lab.not_built_yet, which does not exist yet: run `zero-lab build 99_next`"
-    assert "'units' needs stage 3 or higher" in unknown
+    assert "'units' works with stages [3]" in unknown
 
 
 def test_every_stage_of_the_table_is_built():
