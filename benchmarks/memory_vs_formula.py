@@ -50,7 +50,7 @@ from zero_lab.benchmark import decompose_residual, largest_that_fits
 from zero_lab.data import shard_batch, token_batches
 from zero_lab.memory_ledger import CATEGORIES
 from zero_lab.models import GPT, GPTConfig
-from zero_lab.step_memory import SavedTensors, cuda_step_memory, step_memory, step_phases  # noqa: F401 (lesson 07 reads them here)
+from zero_lab.step_memory import cuda_step_memory, step_memory, step_phases  # noqa: F401 (lesson 07 reads them here)
 
 ROWS = {  # label -> zero_lab.prepare keyword arguments
     "DP": dict(stage=0),

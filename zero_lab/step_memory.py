@@ -8,8 +8,8 @@ At every module's forward hook, every gradient hook and after each phase: the me
 model-state bytes by category and the bytes saved for backward and not yet used
 (`SavedTensors`). The peak: on CPU, the model states at the start + the growth of the process's
 peak RSS during the step (Linux VmHWM, reset first; malloc set to map every block of 4 KiB or
-more on its own, so a freed tensor leaves the RSS); on CUDA, the caching allocator's figures
-(`cuda_step_memory`).
+more on its own, so a freed tensor leaves the RSS), and never less than the largest reading; on
+CUDA, the caching allocator's figures (`cuda_step_memory`).
 """
 
 from __future__ import annotations
@@ -123,6 +123,10 @@ def step_memory(model, optimizer, phases, device: torch.device) -> dict:
         for handle in handles:
             handle.remove()
     figures.setdefault("peak", figures.get("cuda", {}).get("peak"))
+    if "cuda" not in figures and figures["peak"] is not None:
+        # The RSS grows by pages and small tensors reuse freed heap: it can miss a few bytes that the
+        # ledger saw live at once, so the peak is at least the largest reading.
+        figures["peak"] = max(figures["peak"], max(sum(s[c] for c in CATEGORIES) + s["activations"] for s in samples))
     activations = max(s["activations"] for s in samples if s["phase"] == "forward")
     return dict(samples=samples, activations=activations, **figures)
 
