@@ -5,7 +5,7 @@
         assert report.by_id["test_ring_all_reduce"].earned == 0
 
 Both editions of a lesson are graded in one nbgrader run (one gradebook, two students), two
-lessons at a time in the background: the lessons the collected tests name (a `lesson`
+lessons at a time in the background: the lessons the selected tests name (a `lesson`
 parameter) start right after collection, while other tests run.
 """
 
@@ -51,10 +51,11 @@ class Graded:
         return self.submit(lesson).result()[edition]
 
 
-def pytest_collection_modifyitems(config, items):
-    """Tests that use `graded` may wait for grading: a longer timeout; note their lessons."""
-    lessons = []
-    for item in items:
+def pytest_collection_finish(session):
+    """Tests that use `graded` may wait for grading: a longer timeout; queue their lessons. This runs
+    after `-k`/`-m` deselected tests, so a run that selects no graded test queues no grading."""
+    config, lessons = session.config, []
+    for item in session.items:
         if "graded" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.timeout(GRADING_TIMEOUT))
             lesson = getattr(item, "callspec", None) and item.callspec.params.get("lesson")

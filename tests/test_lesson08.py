@@ -87,6 +87,8 @@ TOP_ANSWERS = {  # a learner's question -> the answer `zero-lab ask` must put fi
     "prefetch": "reshard-prefetch",
     "ZeRO-R residual memory": "zero-r",
     "mixed precision memory": "001-23",
+    "data parallelism": "001-1",
+    "zero++ quantized": "zeropp",
 }
 
 

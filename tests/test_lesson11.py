@@ -12,11 +12,13 @@ import torch.nn.functional as F
 
 import zero_lab
 from zero_lab import launch
+from zero_lab.course_tools import questions
 from zero_lab.course_tools.implementation import REPO
-from zero_lab.debugging import (SHAPES, WIDTH, Diagnosis, OpCounter, accumulate_then_sync, adam_state, adamw_foreach_,
-                                broadcast_model_, clip_sharded_grads_, forward_every_rank_gathers, full_state_on_rank0, gathered_params, is_hard, layer_weights,
-                                micro_batches, model_grads, overflow_anywhere, partition_, rank_batch_indices, shard_of,
-                                small_mlp, sync_batch_norm, sync_grads_, two_head_loss, two_head_model)
+from zero_lab.debugging import (SHAPES, WIDTH, Diagnosis, DynamicLossScaler, OpCounter, accumulate_then_sync, adam_state, adamw_foreach_,
+                                broadcast_model_, clip_sharded_grads_, device_grads, forward_every_rank_gathers, full_state_on_rank0, gather_full,
+                                gathered_params, is_hard, layer_weights, micro_batches, model_grads, offload_adamw_step_, overflow_anywhere,
+                                partition_, placement, rank_batch_indices, shard_of, small_mlp, sync_batch_norm, sync_grads_, train_fp16,
+                                two_head_loss, two_head_model)
 
 NOTEBOOK = REPO / "solutions" / "11_debugging" / "11_debugging.ipynb"
 
@@ -202,6 +204,44 @@ def test_multi_tensor_adamw_is_torchs_adamw_in_a_constant_number_of_calls(num_te
         torch.testing.assert_close(mine, theirs.detach())
 
 
+def _scaler(growth_interval, spikes):
+    scaler = DynamicLossScaler(scale=2.0 ** 20, growth_interval=growth_interval)
+    history, weights = train_fp16(scaler, 10, 3, spikes)
+    return [(scale, stepped) for scale, stepped, _ in history], scaler.skipped
+
+
+def test_loss_scaler_skips_only_overflowing_steps_and_grows_back():
+    world_size, spikes = 3, frozenset({(2, 6)})
+    for history, skipped in launch(_scaler, world_size, 2, spikes, timeout=30):
+        scales, stepped = [scale for scale, _ in history], [stepped for _, stepped in history]
+        assert not stepped[0] and not stepped[6] and skipped == stepped.count(False), history  # 2^20 overflows; so does the spike
+        assert all(after == before / 2 for before, after, ok in zip(scales, scales[1:], stepped) if not ok), scales
+        assert any(after == 2 * before for before, after in zip(scales, scales[1:])), f"clean steps in a row double the scale: {scales}"
+
+
+def _offload(sizes):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    weights = layer_weights(sizes, seed=9)
+    masters, state = [shard_of(w, rank, world_size) for w in weights], {}
+    for step in (1, 2):
+        offload_adamw_step_(masters, [shard_of(g, rank, world_size) for g in device_grads(weights, 9, step)], state, lr=0.02)
+    return [gather_full(m, w.shape) for m, w in zip(masters, weights)], placement(state["exp_avg"] + state["exp_avg_sq"])
+
+
+def test_offloaded_step_keeps_its_state_with_the_masters_and_matches_adamw():
+    sizes = [6, 1, 4]
+    weights = [torch.nn.Parameter(w) for w in layer_weights(sizes, seed=9)]
+    optimizer = torch.optim.AdamW(weights, lr=0.02, weight_decay=0.01)
+    for step in (1, 2):
+        for w, g in zip(weights, device_grads(weights, 9, step)):
+            w.grad = g.float()
+        optimizer.step()
+    for full, state_at in launch(_offload, 4, sizes, timeout=30):
+        assert state_at == ["cpu/float32"] * 4
+        for got, want in zip(full, weights):
+            torch.testing.assert_close(got, want.detach())
+
+
 # The notebook's own repros fail as its prose says (definitions run, demo cells not).
 
 def _notebook_namespace(old=None, new=None):
@@ -227,6 +267,23 @@ def test_the_hangs_become_ranks_hung_within_seconds_naming_the_odd_rank_out():
     with pytest.raises(zero_lab.RanksHung) as hung:
         launch(namespace["unused_case"], 3, namespace["sync_present_grads"], {0, 2}, timeout=4)
     assert sorted(hung.value.stuck) == [0, 2] and all("all_reduce" in where for where in hung.value.stuck.values())
+
+
+def test_the_sticky_scaler_skips_every_step_after_one_overflow_and_the_loss_stays_flat():
+    namespace, _ = _notebook_namespace()
+    for history in launch(namespace["loss_scale_case"], 2, namespace["StickyScaler"], 8, timeout=30):
+        assert [scale for scale, _, _ in history] == [2.0 ** (16 - step) for step in range(8)]
+        assert not any(stepped for _, stepped, _ in history) and len({loss for _, _, loss in history}) == 1
+
+
+def test_offload_state_made_like_the_gradient_drifts_here_and_the_first_patch_fails():
+    namespace, _ = _notebook_namespace()
+    expected = namespace["one_process_adamw"]()
+    full, masters_at, state_at = launch(namespace["offload_case"], 2, namespace["step_with_state_like_grad_"], timeout=30)[0]
+    assert set(masters_at) == {"cpu/float32"} and set(state_at) == {"cpu/bfloat16"}
+    assert max((a - b).abs().max().item() for a, b in zip(full, expected)) > 1e-5, "bf16 moments drift far beyond fp32 rounding"
+    with pytest.raises(zero_lab.RankFailed, match="expected dtype"):
+        launch(namespace["offload_case"], 2, namespace["step_with_grads_upcast_"], timeout=30)
 
 
 def test_the_accumulation_repro_sends_k_times_one_sync():
@@ -273,6 +330,33 @@ MUTANTS = {
                                                         "    if True:\n        yield module\n        for p"),
     "a loop over the tensors": ("adamw_foreach", "    torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / (1 - beta1 ** step))\n",
                                 "    for p, m, d in zip(params, exp_avgs, denom):\n        p.addcdiv_(m, d, value=-lr / (1 - beta1 ** step))\n"),
+    "overflow flag kept across steps": ("loss_scaler", "        if any(overflows_fp16(g) for g in scaled_grads):  # this step's gradients, nothing older\n",
+                                        "        self.overflowed = getattr(self, 'overflowed', False) or any(overflows_fp16(g) for g in scaled_grads)\n"
+                                        "        if self.overflowed:\n"),
+    "scale never grows back": ("loss_scaler", "        if self.clean_steps == self.growth_interval:\n            self.scale *= 2\n            self.clean_steps = 0\n", ""),
+    "clean steps not restarted after an overflow": ("loss_scaler", "            self.scale /= 2\n            self.clean_steps = 0\n",
+                                                    "            self.scale /= 2\n"),
+    "scale grown before unscaling": ("loss_scaler", "        grads = [g / self.scale for g in scaled_grads]  # the scale they were made with, before any growth\n"
+                                                    "        self.clean_steps += 1\n        if self.clean_steps == self.growth_interval:\n"
+                                                    "            self.scale *= 2\n            self.clean_steps = 0\n        return grads\n",
+                                     "        self.clean_steps += 1\n        if self.clean_steps == self.growth_interval:\n"
+                                     "            self.scale *= 2\n            self.clean_steps = 0\n        return [g / self.scale for g in scaled_grads]\n"),
+    "overflowing step taken anyway": ("loss_scaler", "            self.clean_steps = 0\n            return None\n",
+                                      "            self.clean_steps = 0\n            return [g / self.scale for g in scaled_grads]\n"),
+    "skipped steps not counted": ("loss_scaler", "            self.skipped += 1\n", ""),
+    "state made like the gradient, gradients cast": ("offload_adamw_step", "state.update(new_adam_state(masters))", "state.update(new_adam_state(grads_from_device))"),
+    "gradients left in the device's dtype": ("offload_adamw_step",
+                                             "    grads = [g.to(device=m.device, dtype=m.dtype) for g, m in zip(grads_from_device, masters)]\n",
+                                             "    grads = grads_from_device\n"),
+    "the repro's step (state like the gradient, nothing cast)": ("offload_adamw_step",
+                                                                 "        state.update(new_adam_state(masters))\n"
+                                                                 "    grads = [g.to(device=m.device, dtype=m.dtype) for g, m in zip(grads_from_device, masters)]\n",
+                                                                 "        state.update(new_adam_state(grads_from_device))\n    grads = grads_from_device\n"),
+    "state re-created every step": ("offload_adamw_step", "    if not state:  # the state lives where the master weights live, in their dtype\n",
+                                    "    if True:\n"),
+    "case 7's cause for a stale flag": ("diagnosis_loss_scale", 'Diagnosis(cause="stale-overflow-flag"', 'Diagnosis(cause="local-overflow-check"'),
+    "the precision named, not where the state was made": ("diagnosis_offload_state", 'Diagnosis(cause="state-like-gradient"',
+                                                          'Diagnosis(cause="wrong-dtype"'),
     "no bias correction": ("adamw_foreach", "_foreach_addcdiv_(params, exp_avgs, denom, value=-lr / (1 - beta1 ** step))",
                            "_foreach_addcdiv_(params, exp_avgs, denom, value=-lr)"),
     "the stuck rank named as the culprit": ("diagnosis_branches", 'collective="all_gather", rank=1)', 'collective="all_gather", rank=0)'),
@@ -292,6 +376,15 @@ def test_the_reference_passes_the_cells_the_mutants_fail():
     namespace, tests = _notebook_namespace()
     for test_id in {test_id for test_id, _, _ in MUTANTS.values()}:
         exec(tests[test_id], namespace)
+
+
+@pytest.mark.parametrize("symptom, case", [("loss scale keeps dropping", "11-steps-skipped-loss-scale-drops"),
+                                           ("steps skipped", "11-steps-skipped-loss-scale-drops"),
+                                           ("Current loss scale already at minimum", "11-steps-skipped-loss-scale-drops"),
+                                           ("expected all tensors to be on the same device", "11-offload-state-wrong-device")])
+def test_zero_lab_ask_finds_the_case_by_its_symptom(symptom, case):
+    ranked = questions.rank(questions.read_bank(), questions.WORD.findall(symptom.lower()))
+    assert ranked[0].id == case, [q.id for q in ranked[:3]]
 
 
 def test_hidden_tests_are_worth_points(graded):

@@ -16,6 +16,8 @@ sync_batch_norm              case 8: batch statistics over the global batch
 sync_grads_                  case 9: gradient averaging when some ranks used a parameter and some did not
 partition_, gathered_params  case 10: ZeRO-3's empty placeholders, and the context that fills them
 OpCounter, adamw_foreach_    case 11: operator calls per step; AdamW with a constant number of them
+DynamicLossScaler            case 12: fp16 loss scaling that skips, halves and grows back (train_fp16 drives it)
+offload_adamw_step_          case 13: a host AdamW step with its state where the master weights live
 """
 
 import math
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.optim.adamw import adamw as functional_adamw  # the function behind torch.optim.AdamW
 from torch.utils._python_dispatch import TorchDispatchMode
 
 CAUSES = {
@@ -41,6 +44,8 @@ CAUSES = {
     "unused-parameter": "a parameter got no gradient on some rank, so that rank skipped its reduction",
     "read-outside-gather": "a sharded parameter was read where only its empty placeholder exists",
     "per-parameter-loop": "a step issued a few small operations per tensor, in Python",
+    "stale-overflow-flag": "an overflow found in one step was never cleared, so later steps count as overflows too",
+    "state-like-gradient": "optimizer state was created like the gradient (its device, dtype), not like the master weights",
     "wrong-dtype": "a tensor had the wrong precision",
 }
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "gather", "barrier")
@@ -287,3 +292,102 @@ def adamw_foreach_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_av
     torch._foreach_div_(denom, math.sqrt(1 - beta2 ** step))
     torch._foreach_add_(denom, eps)
     torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / (1 - beta1 ** step))
+
+
+FP16_MAX = 65504.0  # fp16's largest finite value
+
+
+def overflows_fp16(t: torch.Tensor) -> bool:
+    """Whether `t` would overflow an fp16 buffer: an inf or NaN, or a magnitude beyond 65504."""
+    return not bool(torch.isfinite(t).all()) or bool(t.abs().max() > FP16_MAX)
+
+
+def regression_batch(rank: int, step: int, seed: int, spikes: frozenset = frozenset(), rows: int = 4):
+    """`rank`'s batch at `step`, targets the inputs' sum; a (rank, step) in `spikes` gets a wild label (a loss spike)."""
+    generator = torch.Generator().manual_seed(seed * 10_007 + step * 101 + rank)
+    x = torch.randn(rows, 6, generator=generator)
+    return x, x.sum(1, keepdim=True) + (1e4 if (rank, step) in spikes else 0.0)
+
+
+def train_fp16(scaler, steps: int, seed: int, spikes: frozenset = frozenset(), lr: float = 0.05):
+    """Data-parallel SGD on this rank with a loss scaler: [(scale used, stepped, held-out loss after the step)]
+    per step, and the final weights."""
+    weight, bias = torch.zeros(1, 6, requires_grad=True), torch.zeros(1, requires_grad=True)
+    held_out_x, held_out_y = regression_batch(0, -1, seed, rows=64)
+    history = []
+    for step in range(steps):
+        x, y = regression_batch(dist.get_rank(), step, seed, spikes)
+        loss = torch.nn.functional.mse_loss(x @ weight.T + bias, y)
+        scale, weight.grad, bias.grad = scaler.scale, None, None
+        (loss * scale).backward()
+        for g in (weight.grad, bias.grad):
+            dist.all_reduce(g)
+            g.div_(dist.get_world_size())
+        grads = scaler.unscale_or_skip([weight.grad, bias.grad])
+        if grads is not None:
+            with torch.no_grad():
+                for p, g in zip((weight, bias), grads):
+                    p -= lr * g
+        with torch.no_grad():
+            history.append((scale, grads is not None, torch.nn.functional.mse_loss(held_out_x @ weight.T + bias, held_out_y).item()))
+    return history, [weight.detach(), bias.detach()]
+
+
+class DynamicLossScaler:
+    """fp16 dynamic loss scaling, GradScaler's rule: on an overflow skip the step and halve the
+    scale; after `growth_interval` clean steps in a row, double it."""
+
+    def __init__(self, scale: float = 2.0 ** 16, growth_interval: int = 4):
+        self.scale, self.growth_interval = scale, growth_interval
+        self.clean_steps = 0  # clean steps since the last overflow or growth
+        self.skipped = 0  # steps skipped so far: worth logging on every rank
+
+    def unscale_or_skip(self, scaled_grads: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """This step's gradients divided by the scale, or None (skip the step) when any overflows."""
+        if any(overflows_fp16(g) for g in scaled_grads):  # this step's gradients, nothing older
+            self.skipped += 1
+            self.scale /= 2
+            self.clean_steps = 0
+            return None
+        grads = [g / self.scale for g in scaled_grads]  # the scale they were made with, before any growth
+        self.clean_steps += 1
+        if self.clean_steps == self.growth_interval:
+            self.scale *= 2
+            self.clean_steps = 0
+        return grads
+
+
+OFFLOAD_SIZES = [5, 7, 3]  # two layers: 35 and 21 elements, uneven shards
+
+
+def device_grads(weights: list[torch.Tensor], seed: int, step: int) -> list[torch.Tensor]:
+    """Full gradients as they arrive from the accelerator (simulated: bfloat16 on the host), the same on every rank."""
+    generator = torch.Generator().manual_seed(seed * 1000 + step)
+    return [torch.randn(w.shape, generator=generator).bfloat16() for w in weights]
+
+
+def adamw_host_(masters: list[torch.Tensor], grads: list[torch.Tensor], state: dict, lr: float = 0.01,
+                weight_decay: float = 0.01) -> None:
+    """One step of torch's multi-tensor AdamW over the host's lists; `state`: exp_avg, exp_avg_sq, step (lists)."""
+    functional_adamw(masters, grads, state["exp_avg"], state["exp_avg_sq"], [], state["step"], foreach=True,
+                     amsgrad=False, beta1=0.9, beta2=0.999, lr=lr, weight_decay=weight_decay, eps=1e-8, maximize=False)
+
+
+def new_adam_state(templates: list[torch.Tensor]) -> dict:
+    """Adam's state for one tensor list: zero moments made with torch.zeros_like (its device and dtype), a step count each."""
+    return {"exp_avg": [torch.zeros_like(t) for t in templates], "exp_avg_sq": [torch.zeros_like(t) for t in templates],
+            "step": [torch.tensor(0.0) for _ in templates]}
+
+
+def placement(tensors: list[torch.Tensor]) -> list[str]:
+    """Each tensor's (device, dtype) as text: the first thing to print when a step fails or drifts."""
+    return [f"{t.device}/{str(t.dtype).removeprefix('torch.')}" for t in tensors]
+
+
+def offload_adamw_step_(masters: list[torch.Tensor], grads_from_device: list[torch.Tensor], state: dict,
+                        lr: float = 0.01, weight_decay: float = 0.01) -> None:
+    """A host AdamW step over fp32 master shards, the gradients arriving on the accelerator's (device, dtype)."""
+    if not state:  # the state lives where the master weights live, in their dtype
+        state.update(new_adam_state(masters))
+    grads = [g.to(device=m.device, dtype=m.dtype) for g, m in zip(grads_from_device, masters)]
+    adamw_host_(masters, grads, state, lr=lr, weight_decay=weight_decay)

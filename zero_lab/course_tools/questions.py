@@ -162,12 +162,16 @@ def _stem(word: str) -> str:
 
 def rank(questions: list[Question], words: list[str]) -> list[Question]:
     """The questions that match `words`, best first. Each topic word (not a stop word) counts by
-    how rare it is among the answers and by where it appears: the question's id and title (x3),
-    its section's title (x4), its answer (x1). A word that names a section names the topic: that
-    section's answers count double. An answer that matches more of the topic words comes first
-    (score x matched words squared), and among equals the one whose title is most about them.
-    Words match by their stem."""
-    topic = [_stem(w) for w in words if w not in STOP_WORDS] or [_stem(w) for w in words]
+    how rare it is among the answers and by where it appears: the question's id and title (x3, x4
+    when the word is there exactly as typed, as a name like zero++ is), its section's title (x4),
+    its answer (x1). A word that names a section names the topic: that section's answers count
+    double. An answer that matches more of the topic words comes first (score x matched words
+    squared), and among equals the one whose title is most about them: the larger the share of
+    the title's own words the query names, the better ("data parallelism" is "What is data
+    parallelism?", not a longer title that also names them). Words match by their stem."""
+    typed = [w for w in words if w not in STOP_WORDS] or list(words)
+    topic = [_stem(w) for w in typed]
+    as_typed = dict(zip(topic, typed))
 
     def tokens(text):  # words, and the parts of hyphenated ones (ZeRO-Offload: offload)
         found = WORD.findall(text.lower())
@@ -182,10 +186,12 @@ def rank(questions: list[Question], words: list[str]) -> list[Question]:
               for stem in topic}
     named_sections = {stem for stem in topic if any(hits(stem, section) for _, section, _ in fields)}
     scores = []
-    for title, section, body in fields:
+    for question, (title, section, body) in zip(questions, fields):
+        own_words = {word for word in WORD.findall(question.question.lower()) if word not in STOP_WORDS}
         found = [stem for stem in topic if hits(stem, title) or hits(stem, section) or hits(stem, body)]
-        score = sum(weight[stem] * (3 * hits(stem, title) + 4 * hits(stem, section) + hits(stem, body)) for stem in found)
-        focus = sum(hits(stem, title) for stem in found) / len(title)
+        score = sum(weight[stem] * (3 * hits(stem, title) + (as_typed[stem] in title) + 4 * hits(stem, section) + hits(stem, body))
+                    for stem in found)
+        focus = sum(any(word.startswith(stem) for stem in found) for word in own_words) / max(1, len(own_words))
         in_topic = any(hits(stem, section) for stem in named_sections)
         scores.append(score * len(found) ** 2 * (1 + focus) * (1 + in_topic / 2))
     ranked = sorted(range(len(questions)), key=lambda i: -scores[i])
