@@ -7,6 +7,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
@@ -80,6 +82,25 @@ def fixture_reports(fixture_repo, tmp_path_factory):
     lines = []
     reports = grading.grade_many("99_fixture", notebooks, repo=fixture_repo, progress=lines.append)
     return reports, json.loads(witness.read_text()), lines
+
+
+GRADING_SPY = """
+import zero_lab.course_tools.grading as grading
+queued = []
+grading.grade_many = lambda lesson, notebooks: queued.append(lesson) or {}
+
+
+def pytest_unconfigure(config):
+    print("queued:", sorted(queued))
+"""
+
+
+def test_a_run_whose_selection_needs_no_grading_queues_none(tmp_path):
+    (tmp_path / "grading_spy.py").write_text(GRADING_SPY)  # records what the `graded` fixture queues, grades nothing
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "grading_spy", "-p", "no:cacheprovider", "-k", "no_test_has_this_name",
+                          __file__], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert "queued: []" in run.stdout, run.stdout[-2000:]
 
 
 def test_fixture_reference_and_learner_edition(fixture_reports):
