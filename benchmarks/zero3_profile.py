@@ -9,8 +9,9 @@ activities, with stacks). Prints the operators by self time — compute (addmm, 
 gloo's collectives (the all-gather and reduce-scatter calls, waiting included), copies
 (copy_, cat, narrow), the optimizer (_foreach ops / adamw) — and the share of the profiled wall
 time each takes; time in no operator is Python (hooks, the schedule, the loop). Then the same time in five
-kinds (`KINDS`: compute, communication, copies and fills, optimizer, Python), which lesson 05's
-demo prints for both versions at a small size (`breakdown`).
+kinds (compute, `KINDS`: communication, copies and fills, optimizer; Python), which lesson 05's
+demo prints for both versions at a small size (`breakdown`, with Python's frames recorded: the
+profiler's tracing inflates the Python share, for both alike).
 """
 
 from __future__ import annotations
@@ -31,25 +32,33 @@ from zero3_vs_fsdp2 import VERSIONS, build  # the side-by-side's set-up (this sc
 
 # An operator's kind, by its name (the first that matches); the rest of the operators are compute.
 KINDS = {
-    "communication": ("wait", "allgather", "all_gather", "reduce_scatter", "allreduce", "barrier", "broadcast",
-                      "FSDP::"),  # gloo's calls and the waits for them; FSDP2's ranges include its Python there
+    "communication": ("wait", "allgather", "all_gather", "reduce_scatter", "allreduce", "all_reduce", "barrier",
+                      "broadcast", "FSDP::"),  # gloo's calls and the waits for them; FSDP2's ranges include its Python
     "copies and fills": ("aten::copy_", "aten::fill_", "aten::zero_", "aten::cat", "aten::_chunk_cat",
                          "aten::split_with_sizes_copy", "aten::clone"),
     "optimizer": ("aten::lerp_", "aten::addcdiv_", "aten::addcmul_", "aten::sqrt", "_foreach_", "adamw", "Optimizer."),
 }
 
 
+PYTHON = "Python (hooks, schedule, loop)"
+
+
 def kind_of(name: str) -> str:
-    return next((kind for kind, marks in KINDS.items() if any(mark in name for mark in marks)), "compute")
+    """An event's kind; Python frames (recorded with stacks: "file.py(line): function", built-in
+    methods) that are not collectives count as Python."""
+    found = next((kind for kind, marks in KINDS.items() if any(mark in name for mark in marks)), None)
+    if found is None and (".py(" in name or name.startswith("<built-in")):
+        return PYTHON
+    return found or "compute"
 
 
 def breakdown(events, wall_us: float, steps: int) -> dict[str, float]:
-    """Milliseconds per step by kind (self times of the profiled events), and "Python (outside
-    operators)": the wall time no operator accounts for (hooks, the schedule, the training loop)."""
-    per_kind = dict.fromkeys([*KINDS, "compute"], 0.0)
+    """Milliseconds per step by kind: the self times of the profiled events (Python's frames among
+    them when recorded with stacks), plus the wall time no event accounts for, counted as Python."""
+    per_kind = dict.fromkeys(["compute", *KINDS, PYTHON], 0.0)
     for event in events:
         per_kind[kind_of(event.key)] += event.self_cpu_time_total / 1e3 / steps
-    per_kind["Python (outside operators)"] = max(0.0, wall_us / 1e3 / steps - sum(per_kind.values()))
+    per_kind[PYTHON] += max(0.0, wall_us / 1e3 / steps - sum(per_kind.values()))
     return per_kind
 
 
@@ -71,7 +80,7 @@ def profiled_steps(version: str, size: str, steps: int, warmup: int, prefetch: i
     for tokens, targets in batches[:warmup]:
         step(tokens, targets)
     dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU], with_stack=bool(stacks)) as prof:
+    with profile(activities=[ProfilerActivity.CPU], with_stack=bool(stacks) or rows == 0) as prof:  # stacks: Python frames
         start = time.perf_counter()
         for tokens, targets in batches[warmup:]:
             step(tokens, targets)
