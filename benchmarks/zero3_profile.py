@@ -8,10 +8,10 @@ Trains the GPT of `--size` with benchmarks/zero3_vs_fsdp2.py's set-up (one unit 
 activities, with stacks). Prints the operators by self time — compute (addmm, bmm, softmax...),
 gloo's collectives (the all-gather and reduce-scatter calls, waiting included), copies
 (copy_, cat, narrow), the optimizer (_foreach ops / adamw) — and the share of the profiled wall
-time each takes; time in no operator is Python (hooks, the schedule, the loop). Then the same time in five
-kinds (compute, `KINDS`: communication, copies and fills, optimizer; Python), which lesson 05's
-demo prints for both versions at a small size (`breakdown`, with Python's frames recorded: the
-profiler's tracing inflates the Python share, for both alike).
+time each takes. Python's frames are recorded (so that a hook's wait for gloo is an event of its
+own, not time of the autograd node that ran the hook); the tracing inflates the Python share, for
+both versions alike. Then the same time in five kinds (compute, `KINDS`: communication, copies and
+fills, optimizer; Python), which lesson 05's demo prints for both versions at a small size (`breakdown`).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def profiled_steps(version: str, size: str, steps: int, warmup: int, prefetch: i
     for tokens, targets in batches[:warmup]:
         step(tokens, targets)
     dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU], with_stack=bool(stacks) or rows == 0) as prof:  # stacks: Python frames
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:  # Python frames: the waits are events
         start = time.perf_counter()
         for tokens, targets in batches[warmup:]:
             step(tokens, targets)
