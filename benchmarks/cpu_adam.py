@@ -8,9 +8,9 @@ for each version:
     torch for-loop     torch.optim.AdamW(foreach=False): one pass over memory per operation
     torch foreach      torch.optim.AdamW(foreach=True): the same passes, batched over tensors
     torch fused        torch.optim.AdamW(fused=True): one kernel, one pass
-    cpu_adam_          zero_lab.offload.cpu_adam_ (lesson 06's exercise): torch's operations,
+    cpu_adam_          zero_lab.cpu_adam.cpu_adam_ (lesson 06's exercise): torch's operations,
                        cache-blocked, on a thread pool
-    compiled_adam_     zero_lab.offload.compiled_adam_: the same step as one C loop, one pass
+    compiled_adam_     zero_lab.cpu_adam.compiled_adam_: the same step as one C loop, one pass
     DeepSpeedCPUAdam   with --deepspeed, if DeepSpeed is installed (it JIT-builds its op with this
                        machine's compiler, which takes minutes the first time)
 
@@ -46,7 +46,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from zero_lab.offload import COMPILED_CHUNK_NUMEL, build_c_library, compiled_adam_, compiled_adamw_step, cpu_adam_
+from zero_lab.cpu_adam import COMPILED_CHUNK_NUMEL, build_c_library, compiled_adam_, compiled_adamw_step, cpu_adam_
 
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 ADAM_BYTES_PER_ELEMENT = 28  # read p, g, m, v; write p, m, v (fp32)
@@ -184,7 +184,7 @@ def bake_off(sizes=(10**6, 10**7, 10**8), threads=(1, 2), repeats: int = 5, deep
     """{"rows": [...], "bounds": [...], "triad": {threads: GB/s}}; a row per (size, threads, version)
     with ms, GB/s (at 28 bytes per element), bytes its operations touch per element, time vs fused
     and vs the memory bound of that size and thread count ("bounds": its rows, with where it came
-    from). ours: the function timed as cpu_adam_ (default zero_lab.offload's; a lesson passes the learner's)."""
+    from). ours: the function timed as cpu_adam_ (default zero_lab.cpu_adam's; a lesson passes the learner's)."""
     versions = [*TORCH_VERSIONS, OURS] + ([COMPILED] if compiled_adamw_step() is not None else []) + (
         [DEEPSPEED] if deepspeed and deepspeed_available() else [])
     saved_threads = torch.get_num_threads()

@@ -8,7 +8,10 @@ Trains the GPT of `--size` with benchmarks/zero3_vs_fsdp2.py's set-up (one unit 
 activities, with stacks). Prints the operators by self time — compute (addmm, bmm, softmax...),
 gloo's collectives (the all-gather and reduce-scatter calls, waiting included), copies
 (copy_, cat, narrow), the optimizer (_foreach ops / adamw) — and the share of the profiled wall
-time each takes; time in no operator is Python (hooks, the schedule, the loop).
+time each takes. Python's frames are recorded (so that a hook's wait for gloo is an event of its
+own, not time of the autograd node that ran the hook); the tracing inflates the Python share, for
+both versions alike. Then the same time in five kinds (compute, `KINDS`: communication, copies and
+fills, optimizer; Python), which lesson 05's demo prints for both versions at a small size (`breakdown`).
 """
 
 from __future__ import annotations
@@ -27,9 +30,42 @@ from zero_lab.side_by_side import SIZES
 from zero3_vs_fsdp2 import VERSIONS, build  # the side-by-side's set-up (this script's folder is on sys.path)
 
 
+# An operator's kind, by its name (the first that matches); the rest of the operators are compute.
+KINDS = {
+    "communication": ("wait", "allgather", "all_gather", "reduce_scatter", "allreduce", "all_reduce", "barrier",
+                      "broadcast", "FSDP::"),  # gloo's calls and the waits for them; FSDP2's ranges include its Python
+    "copies and fills": ("aten::copy_", "aten::fill_", "aten::zero_", "aten::cat", "aten::_chunk_cat",
+                         "aten::split_with_sizes_copy", "aten::clone"),
+    "optimizer": ("aten::lerp_", "aten::addcdiv_", "aten::addcmul_", "aten::sqrt", "_foreach_", "adamw", "Optimizer."),
+}
+
+
+PYTHON = "Python (hooks, schedule, loop)"
+
+
+def kind_of(name: str) -> str:
+    """An event's kind; Python frames (recorded with stacks: "file.py(line): function", built-in
+    methods) that are not collectives count as Python."""
+    found = next((kind for kind, marks in KINDS.items() if any(mark in name for mark in marks)), None)
+    if found is None and (".py(" in name or name.startswith("<built-in")):
+        return PYTHON
+    return found or "compute"
+
+
+def breakdown(events, wall_us: float, steps: int) -> dict[str, float]:
+    """Milliseconds per step by kind: the self times of the profiled events (Python's frames among
+    them when recorded with stacks), plus the wall time no event accounts for, counted as Python."""
+    per_kind = dict.fromkeys(["compute", *KINDS, PYTHON], 0.0)
+    for event in events:
+        per_kind[kind_of(event.key)] += event.self_cpu_time_total / 1e3 / steps
+    per_kind[PYTHON] += max(0.0, wall_us / 1e3 / steps - sum(per_kind.values()))
+    return per_kind
+
+
 def profiled_steps(version: str, size: str, steps: int, warmup: int, prefetch: int, batch_size: int, rows: int,
-                   stacks: tuple[str, ...] = ()) -> str | None:
-    config = SIZES[size]
+                   stacks: tuple[str, ...] = (), config=None) -> str | dict | None:
+    """Rank 0's table (rows > 0), or its breakdown by kind (rows == 0); None on the other ranks."""
+    config = config or SIZES[size]
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model, optimizer = build(version, GPT(config, seed=0), prefetch)
     batches = [shard_batch(batch, rank, world_size)
@@ -44,7 +80,7 @@ def profiled_steps(version: str, size: str, steps: int, warmup: int, prefetch: i
     for tokens, targets in batches[:warmup]:
         step(tokens, targets)
     dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU], with_stack=bool(stacks)) as prof:
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:  # Python frames: the waits are events
         start = time.perf_counter()
         for tokens, targets in batches[warmup:]:
             step(tokens, targets)
@@ -53,6 +89,8 @@ def profiled_steps(version: str, size: str, steps: int, warmup: int, prefetch: i
         return None
     events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     events.sort(key=lambda e: -e.self_cpu_time_total)
+    if rows == 0:
+        return breakdown(events, wall_us, steps - warmup)
     operator_us = sum(e.self_cpu_time_total for e in events)
     lines = [f"{version}, GPT {size} ({GPT(config).num_params():,} parameters), {world_size} ranks, "
              f"{steps - warmup} profiled steps: {wall_us / 1e3 / (steps - warmup):.0f} ms per step (rank 0)",
@@ -64,6 +102,8 @@ def profiled_steps(version: str, size: str, steps: int, warmup: int, prefetch: i
     lines.append(f"{'in operators, all':>44} {operator_us / 1e3 / (steps - warmup):>13.1f} {operator_us / wall_us:>7.1%}")
     lines.append(f"{'outside operators (Python)':>44} {(wall_us - operator_us) / 1e3 / (steps - warmup):>13.1f} "
                  f"{1 - operator_us / wall_us:>7.1%}")
+    lines += [f"{kind:>44} {ms:>13.1f} {ms * 1e3 * (steps - warmup) / wall_us:>7.1%}"
+              for kind, ms in breakdown(events, wall_us, steps - warmup).items()]
     for name in stacks:  # where in our code each of these operators is called from, costliest first
         by_stack = sorted((e for e in prof.key_averages(group_by_stack_n=6) if e.key == name),
                           key=lambda e: -e.self_cpu_time_total)

@@ -1,5 +1,6 @@
 """`zero-lab build` and `zero-lab mine` on a tiny fixture lesson, in a temporary repo."""
 
+import ast
 import os
 import shutil
 import subprocess
@@ -179,3 +180,21 @@ def test_learner_edition_ends_by_naming_the_grade_of_the_learners_copy(lesson):
     assert f"zero-lab grade {lesson.split('_')[0]}`" in nb.cells[-1].source
     naming_the_release = [i for i, c in enumerate(nb.cells) if "zero-lab grade course/" in c.source]
     assert not naming_the_release, f"{lesson}: cells {naming_the_release} tell the learner to grade course/"
+
+
+MAX_CELL_LINES, MAX_CLASS_LINES = 200, 250  # the course's size rules (docs/authoring.md)
+
+
+def test_no_cell_over_200_lines_and_no_class_over_250():
+    # Small cells and small classes keep each idea readable on one screen or two; the learner
+    # edition's cells come from the sources, and the notebooks' classes are exported to zero_lab/.
+    too_long = [f"{notebook.relative_to(build.REPO)}, cell {index}: {len(cell.source.splitlines())} lines"
+                for notebook in sorted((build.REPO / build.SOURCE_DIR).glob("*/*.ipynb"))
+                for index, cell in enumerate(build.read_notebook(notebook).cells)
+                if len(cell.source.splitlines()) > MAX_CELL_LINES]
+    for folder in ("zero_lab", "benchmarks", "tests"):
+        for path in sorted((build.REPO / folder).rglob("*.py")):
+            too_long += [f"{path.relative_to(build.REPO)}: class {node.name}, {node.end_lineno - node.lineno + 1} lines"
+                         for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
+                         and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES]
+    assert not too_long, "split these by idea:\n" + "\n".join(too_long)

@@ -15,7 +15,7 @@ from zero_lab import CommLedger, launch
 from zero_lab.data import shard_batch
 from zero_lab.memory_ledger import TransferLedger, model_state_bytes
 from zero_lab.models import GPT, MLP
-from zero_lab.offload import compiled_adam_, compiled_adamw_step, cpu_adam_
+from zero_lab.cpu_adam import compiled_adam_, compiled_adamw_step, cpu_adam_
 from zero_lab.prepare import prepare
 from zero_lab.zero1 import ShardLayout
 

@@ -187,7 +187,7 @@ class TransferLedger:
 
 
 def record_transfer(direction: str, tensor: torch.Tensor) -> None:
-    """Called by whatever copies `tensor` across the host-device link (zero_lab.offload.Link)."""
+    """Called by whatever copies `tensor` across the host-device link (zero_lab.host_link.Link)."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     with _transfer_lock:

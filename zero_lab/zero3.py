@@ -198,14 +198,15 @@ def reduce_scatter_unit(unit: Unit, grad_shard: torch.Tensor) -> None:
     gradient and for the padding), frees the full-size .grad, reduce-scatters the buffer and
     adds the received sum, divided by the number of ranks, into grad_shard.
     """
-    flat_grad = grad_shard.new_zeros(unit.layout.padded_numel)
-    for p, view in zip(unit.params, param_views(flat_grad, unit.params)):
-        if p.grad is not None:
-            view.copy_(p.grad)
-            p.grad = None
+    pieces = [p.grad.reshape(-1) if p.grad is not None else grad_shard.new_zeros(shape.numel())
+              for p, shape in zip(unit.params, unit.shapes)]  # shapes: a freed unit's parameters are empty
+    padding = grad_shard.new_zeros(unit.layout.padded_numel - unit.layout.numel)
+    flat_grad = torch.cat([*pieces, padding])  # one pass: no zero-filled buffer to copy into
+    for p in unit.params:
+        p.grad = None
     received = torch.empty_like(grad_shard)
     dist.reduce_scatter_single(received, flat_grad)
-    grad_shard += received / dist.get_world_size()
+    grad_shard += received.div_(dist.get_world_size())  # divided in place: no temporary
 
 
 def prefetch_plan(order: list[list[int]], position: int, depth: int, resident: set[int],
@@ -834,8 +835,9 @@ class Zero3Optimizer(ShardedModelState, OptimizerOverCopies):
         if self.max_grad_norm is not None:  # parameters without gradient have zeros there: the norm is the same
             self.last_grad_norm = clip_grad_norm_(grads, [g.numel() for g in grads], self.max_grad_norm)
         for unit, grad in zip(trained, grads):
+            every = len(unit.had_grad) == len(unit.slices)  # the usual case: no set lookups
             for piece in unit.slices:
-                if piece.param in unit.had_grad:
+                if every or piece.param in unit.had_grad:
                     piece.master.grad = grad[piece.shard_offset:piece.shard_offset + piece.master.numel()]
         self.optimizer.step()
         for unit in trained:
