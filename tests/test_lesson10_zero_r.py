@@ -3,17 +3,14 @@ the allocator model of fragmentation; typical wrong answers fail their graded ce
 
 LESSON = "10_zero_r"
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import zero_lab
+from graded_cells import assert_mutant_fails
 from zero_lab import launch
 from zero_lab.comm_ledger import CommLedger
-from zero_lab.course_tools.implementation import REPO
 from zero_lab.zero_r import (FirstFitAllocator, TensorParallelMLP, bucketed_all_reduce, checkpointed, fused_all_reduce,
                              residual_trace, saved_bytes)
 
@@ -133,26 +130,7 @@ MUTANTS = {
 
 @pytest.mark.parametrize("mutant", MUTANTS)
 def test_typical_mistakes_fail_their_graded_cell(mutant):
-    """The lesson's untagged cells, one broken as a learner might, then the graded cell (hidden part included)."""
-    import nbformat
-
-    old, new, test_id = MUTANTS[mutant]
-    cells = nbformat.read(REPO / "solutions" / LESSON / f"{LESSON}.ipynb", as_version=4).cells
-    namespace, applied = {"__name__": "lesson10_zero_r"}, False
-    for cell in cells:
-        source = cell.source
-        if cell.cell_type != "code" or cell.metadata.get("tags"):
-            continue
-        if source.startswith("#| test "):
-            if source.split()[2] != test_id:
-                continue
-            with pytest.raises((AssertionError, zero_lab.RankFailed, zero_lab.RanksHung, RuntimeError, ValueError)):
-                exec(compile(source, test_id, "exec"), namespace)
-            break
-        if old in source:
-            source, applied = source.replace(old, new), True
-        exec(compile(source, "cell", "exec"), namespace)
-    assert applied, f"the mutant {mutant!r} no longer applies to the notebook"
+    assert_mutant_fails(LESSON, *MUTANTS[mutant])
 
 
 def test_hidden_tests_are_worth_points(graded):
