@@ -119,6 +119,10 @@ MUTANTS = {
         "        return torch.autograd.grad(out, x, grad_out)[0], None, None, None\n", "zero_r_checkpoint"),
     "recomputed without enable_grad": ("        with torch.enable_grad():\n            out = ctx.block(x)\n",
                                        "        out = ctx.block(x)\n", "zero_r_checkpoint"),
+    "the last, partly filled bucket never reduced": ("    if fill:\n        flush()\n", "", "zero_r_bucketed"),
+    "sums, not averages": ("        bucket[:fill] /= dist.get_world_size(group)\n", "", "zero_r_bucketed"),
+    "one all-reduce per piece (no fusing)": ("            if fill == bucket_numel:\n", "            if True:\n",
+                                             "zero_r_bucketed"),
     "best fit instead of first fit": (
         "        for index, (start, hole) in enumerate(self.holes):\n",
         "        for index, (start, hole) in sorted(enumerate(self.holes), key=lambda item: item[1][1]):\n",
@@ -135,6 +139,6 @@ def test_typical_mistakes_fail_their_graded_cell(mutant):
 
 def test_hidden_tests_are_worth_points(graded):
     report = graded(LESSON, "solution")
-    assert report.total == (11, 11), report.scores
+    assert report.total == (14, 14), report.scores
     learner = graded(LESSON, "learner")
     assert all(s.earned == 0 and s.reason for s in learner.scores), learner.scores
