@@ -43,6 +43,8 @@ def test_partitioned_checkpoint_matches_the_single_process_mlp(world_size, shape
     for rank, (got, x_grad, w1, w2, kept, ledger) in enumerate(launch(run_block, world_size, shape, f, True, offload,
                                                                       timeout=60)):
         torch.testing.assert_close(torch.tensor(got), out.detach(), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(torch.tensor(plain[rank][0]), out.detach(), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(torch.tensor(plain[rank][1]), x.grad, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(torch.tensor(x_grad), x.grad, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(torch.tensor(w1), reference[0].weight.grad.tensor_split(world_size, 0)[rank])
         torch.testing.assert_close(torch.tensor(w2), reference[2].weight.grad.tensor_split(world_size, 1)[rank])
