@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zero_lab
+from graded_cells import assert_mutant_fails
 from sharded_training import TINY_GPT, assert_close, gpt_batches, gpt_loss, train, weights
 from zero_lab import launch
 from zero_lab.data import shard_batch, token_batches
@@ -320,29 +321,7 @@ MUTANTS = {
 
 @pytest.mark.parametrize("mutant", MUTANTS)
 def test_typical_mistakes_fail_their_graded_cell(mutant):
-    """The lesson's exported cells, one broken as a learner might, then the graded cell (hidden part
-    included) run as grading runs it, without nbgrader."""
-    import nbformat
-
-    from zero_lab.course_tools.implementation import REPO
-
-    old, new, test_id = MUTANTS[mutant]
-    cells = nbformat.read(REPO / "solutions" / "09_zeropp" / "09_zeropp.ipynb", as_version=4).cells
-    namespace, applied = {"__name__": "lesson09"}, False
-    for cell in cells:
-        source = cell.source
-        if cell.cell_type != "code" or cell.metadata.get("tags"):
-            continue
-        if source.startswith("#| test "):
-            if source.split()[2] != test_id:
-                continue
-            with pytest.raises((AssertionError, zero_lab.RankFailed, zero_lab.RanksHung, RuntimeError)):
-                exec(compile(source, test_id, "exec"), namespace)
-            break
-        if old in source:
-            source, applied = source.replace(old, new), True
-        exec(compile(source, "cell", "exec"), namespace)
-    assert applied, f"the mutant {mutant!r} no longer applies to the notebook"
+    assert_mutant_fails("09_zeropp", *MUTANTS[mutant])
 
 
 def test_hidden_tests_are_worth_points(graded):
