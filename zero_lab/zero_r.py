@@ -1,4 +1,4 @@
-# Generated from solutions/10_zero_r/10_zero_r.ipynb by `zero-lab build`: edit the notebook, not this file.
+# Generated from solutions/10_infinity/10_infinity.ipynb by `zero-lab build`: edit the notebook, not this file.
 
 """ZeRO-R (ZeRO paper §6): the residual states — activations, temporary buffers, fragmentation.
 

@@ -1,7 +1,7 @@
-"""Lesson 10, ZeRO-R (draft lesson 10_zero_r): partitioned activation checkpoints, constant-size buffers,
+"""Lesson 10, ZeRO-R (lesson 10_infinity, part 2): partitioned activation checkpoints, constant-size buffers,
 the allocator model of fragmentation; typical wrong answers fail their graded cells."""
 
-LESSON = "10_zero_r"
+LESSON = "10_infinity"
 
 import pytest
 import torch
