@@ -1,11 +1,16 @@
 """A lesson's graded cell run against its notebook with one exported cell broken as a learner might
-(a mutant), as grading runs it but without nbgrader: the untagged cells in order, then the test cell."""
+(a mutant), as grading runs it but without nbgrader."""
+
+import ast
 
 import nbformat
 import pytest
 
 import zero_lab
+from zero_lab.course_tools import where
 from zero_lab.course_tools.implementation import REPO
+
+HELPERS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom, ast.Assign, ast.AnnAssign)
 
 
 def assert_mutant_fails(lesson: str, old: str, new: str, test_id: str) -> None:
@@ -26,3 +31,21 @@ def assert_mutant_fails(lesson: str, old: str, new: str, test_id: str) -> None:
             source, applied = source.replace(old, new), True
         exec(compile(source, "cell", "exec"), namespace)
     assert applied, f"the mutant {new.strip()!r} no longer applies to the notebook"
+
+
+def graded_cell_with(lesson: str, test_id: str, old: str, new: str) -> tuple[dict, str]:
+    """The namespace nbgrader would have (the imports, the exported cells with `old` replaced by `new`
+    in exactly one of them, the test cells' helpers without their checks) and the source of `#| test test_id`."""
+    cells = [c.source for c in nbformat.read(REPO / "solutions" / lesson / f"{lesson}.ipynb", as_version=4).cells
+             if c.cell_type == "code" and not where.is_where_cell(c)]
+    assert sum(s.count(old) for s in cells if s.startswith("#| export")) == 1, "the mutant must replace one solution"
+    namespace = {}
+    exec(cells[0], namespace)  # the notebook's imports
+    for source in cells:
+        if source.startswith("#| export"):
+            exec(source.replace(old, new), namespace)
+        elif source.startswith("#| test"):  # helpers other cells share, without running their checks
+            tree = ast.parse(source)
+            tree.body = [node for node in tree.body if isinstance(node, HELPERS)]
+            exec(compile(tree, "test helpers", "exec"), namespace)
+    return namespace, next(s for s in cells if s.startswith(f"#| test {test_id} "))

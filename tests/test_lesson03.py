@@ -1,22 +1,19 @@
 """Lesson 03, ZeRO stage 1: N ranks train exactly like one process, with 1/N of the optimizer states."""
 
-import ast
 import io
 from fractions import Fraction
 
-import nbformat
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from graded_cells import graded_cell_with
 from sharded_training import (ADAMW, SIZES, TINY_GPT, assert_close, bytes_per_step, gpt_batches, gpt_groups,
                               gpt_loss, gpt_with_groups, gpt_with_groups_single_process, mlp_batches, mlp_loss,
                               single_process, train, weights)
 import zero_lab
 from zero_lab import launch
-from zero_lab.course_tools.implementation import REPO
-from zero_lab.course_tools import where
 from zero_lab.data import shard_batch
 from zero_lab.memory_ledger import model_state_bytes
 from zero_lab.models import GPT, MLP
@@ -272,7 +269,6 @@ def test_shard_layout(numel, world_size, shard_numel):
 # Typical wrong answers to the exercises lose points: the notebook's definitions with one solution
 # replaced, then one graded cell run as nbgrader runs it (grading the whole notebook is test_grading.py's job).
 
-NOTEBOOK = REPO / "solutions" / "03_zero1" / "03_zero1.ipynb"
 
 MUTANTS = {
     "all-reduce and slice": ("step_collectives",
@@ -287,25 +283,9 @@ MUTANTS = {
 }
 
 
-def _graded_cell_with(test_id, old, new):
-    """The namespace nbgrader would have (imports, exported cells with one change, test helpers), and the cell."""
-    cells = [c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells
-             if c.cell_type == "code" and not where.is_where_cell(c)]
-    assert sum(s.count(old) for s in cells if s.startswith("#| export")) == 1, "the mutant must replace one solution"
-    namespace = {}
-    exec(cells[0], namespace)  # the notebook's imports
-    for source in cells:
-        if source.startswith("#| export"):
-            exec(source.replace(old, new), namespace)
-        elif source.startswith("#| test"):  # helpers other cells share (SIZES, _groups, ...), without running checks
-            tree = ast.parse(source)
-            tree.body = [node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.Assign))]
-            exec(compile(tree, "test helpers", "exec"), namespace)
-    return namespace, next(s for s in cells if s.startswith(f"#| test {test_id} "))
-
 
 @pytest.mark.parametrize("mutant", list(MUTANTS))
 def test_typical_wrong_answers_lose_points(mutant):
-    namespace, cell = _graded_cell_with(*MUTANTS[mutant])
+    namespace, cell = graded_cell_with("03_zero1", *MUTANTS[mutant])
     with pytest.raises((AssertionError, zero_lab.RankFailed)):
         exec(cell, namespace)

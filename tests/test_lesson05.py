@@ -4,19 +4,16 @@ import io
 import time
 from fractions import Fraction
 
-import nbformat
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from graded_cells import graded_cell_with
 from sharded_training import (SIZES, TINY_GPT, assert_close, gpt_batches, gpt_groups, gpt_loss,
                               gpt_with_groups_single_process, mlp_batches, train, weights)
 from zero_lab import CommLedger, RankFailed, launch
-from zero_lab.course_tools import where
-from zero_lab.course_tools.grading_guard import definitions_only
-from zero_lab.course_tools.implementation import REPO
 from zero_lab.data import shard_batch, token_batches
 from zero_lab.memory_ledger import model_state_bytes
 from zero_lab.models import GPT, MLP
@@ -331,7 +328,6 @@ def test_schedulers_torch_clipping_and_preparing_again():
 # solution line changed, then the graded cell run as nbgrader runs it (whole-notebook grading
 # is test_grading.py's job).
 
-NOTEBOOK = REPO / "solutions" / "05_zero3" / "05_zero3.ipynb"
 ADDED = "    grad_shard += received.div_(dist.get_world_size())"
 MUTANTS = {
     "overwrites the gradient shard": ("reduce_scatter", ADDED, "    grad_shard.copy_(received.div_(dist.get_world_size()))"),
@@ -346,26 +342,12 @@ MUTANTS = {
 }
 
 
-def _graded_cell_with(test_id, old, new):
-    """The namespace nbgrader would have (imports, exported cells with one change, test helpers), and the cell."""
-    cells = [c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells
-             if c.cell_type == "code" and not where.is_where_cell(c)]
-    assert sum(s.count(old) for s in cells if s.startswith("#| export")) == 1, "the mutant must replace one solution"
-    namespace = {}
-    exec(cells[0], namespace)  # the notebook's imports
-    for source in cells:
-        if source.startswith("#| export"):
-            exec(source.replace(old, new), namespace)
-        elif source.startswith("#| test"):  # helpers other cells share (_demo_unit, ...), without running checks
-            exec(definitions_only(source), namespace)
-    return namespace, next(s for s in cells if s.startswith(f"#| test {test_id} "))
-
 
 @pytest.mark.parametrize("mutant", list(MUTANTS))
 def test_typical_wrong_answers_lose_points(mutant):
     test_id, old, new = MUTANTS[mutant]
-    namespace, cell = _graded_cell_with(test_id, old, old)
+    namespace, cell = graded_cell_with("05_zero3", test_id, old, old)
     exec(cell, namespace)  # the reference passes this harness
-    namespace, cell = _graded_cell_with(test_id, old, new)
+    namespace, cell = graded_cell_with("05_zero3", test_id, old, new)
     with pytest.raises(Exception):  # any failure of the cell loses its points (a missing ledger entry: KeyError)
         exec(cell, namespace)
