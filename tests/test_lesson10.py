@@ -104,6 +104,14 @@ def test_allocator_refuses_bad_input_with_the_fix():
     assert allocator.holes == [(0, 8)]
 
 
+SUBMIT_NEXT = ("            if prefetch and i + prefetch < len(chunks):\n"
+               "                pending.append(reader.submit(fetch, chunks[i + prefetch]))\n")
+UPDATE_CHUNK = ("            name, grad, start, numel = chunk\n"
+                "            cpu_adam_(master, grad[start:start + numel], exp_avg, exp_avg_sq, step, lr=lr, betas=betas, eps=eps,\n"
+                "                      weight_decay=weight_decay)\n"
+                "            for state, value in zip(STATES, (master, exp_avg, exp_avg_sq)):\n"
+                "                tier.write(f\"{name}.{state}\", value, start)\n")
+
 # Typical wrong answers: each must fail the graded cell named with it (points lost = that cell's points).
 MUTANTS = {
     "no padding": ("    per_rank = -(-x.numel() // world_size)\n", "    per_rank = x.numel() // world_size\n",
@@ -147,6 +155,8 @@ MUTANTS = {
         "        pending = deque(reader.submit(fetch, chunk) for chunk in chunks[:prefetch])\n",
         "        pending = deque(reader.submit(fetch, chunk) for chunk in (chunks if prefetch else []))\n"
         "        prefetch = prefetch and len(chunks)\n", "inf_tier_adamw"),
+    "the next read submitted after the write-back (no overlap)": (SUBMIT_NEXT + UPDATE_CHUNK, UPDATE_CHUNK + SUBMIT_NEXT,
+                                                                   "inf_tier_adamw"),
 }
 
 
