@@ -1,7 +1,11 @@
-"""Lesson 10, ZeRO-R (lesson 10_infinity, part 2): partitioned activation checkpoints, constant-size buffers,
-the allocator model of fragmentation; typical wrong answers fail their graded cells."""
+"""Lesson 10: ZeRO-Infinity (part 1): the simulated NVMe tier and AdamW streamed from it; ZeRO-R (part 2):
+partitioned activation checkpoints, constant-size buffers, the allocator model of fragmentation; typical wrong
+answers fail their graded cells."""
 
 LESSON = "10_infinity"
+
+import errno
+import time
 
 import pytest
 import torch
@@ -11,6 +15,7 @@ import torch.nn as nn
 from graded_cells import assert_mutant_fails
 from zero_lab import launch
 from zero_lab.comm_ledger import CommLedger
+from zero_lab.infinity import NvmeTier, TokenBucket, put_states, tier_adamw_step
 from zero_lab.zero_r import (FirstFitAllocator, TensorParallelMLP, bucketed_all_reduce, checkpointed, fused_all_reduce,
                              residual_trace, saved_bytes)
 
@@ -99,6 +104,14 @@ def test_allocator_refuses_bad_input_with_the_fix():
     assert allocator.holes == [(0, 8)]
 
 
+SUBMIT_NEXT = ("            if prefetch and i + prefetch < len(chunks):\n"
+               "                pending.append(reader.submit(fetch, chunks[i + prefetch]))\n")
+UPDATE_CHUNK = ("            name, grad, start, numel = chunk\n"
+                "            cpu_adam_(master, grad[start:start + numel], exp_avg, exp_avg_sq, step, lr=lr, betas=betas, eps=eps,\n"
+                "                      weight_decay=weight_decay)\n"
+                "            for state, value in zip(STATES, (master, exp_avg, exp_avg_sq)):\n"
+                "                tier.write(f\"{name}.{state}\", value, start)\n")
+
 # Typical wrong answers: each must fail the graded cell named with it (points lost = that cell's points).
 MUTANTS = {
     "no padding": ("    per_rank = -(-x.numel() // world_size)\n", "    per_rank = x.numel() // world_size\n",
@@ -131,6 +144,19 @@ MUTANTS = {
         "zero_r_first_fit"),
     "no merging on free": ("            if merged and merged[-1][0] + merged[-1][1] == hole_start:\n",
                            "            if False:\n", "zero_r_first_fit"),
+    "charge never sleeps": ("        time.sleep(wait)\n", "", "inf_token_bucket"),
+    "each transfer waits only its own bytes (no queue)": (
+        "            self.free_at = max(now, self.free_at) + nbytes / self.bandwidth\n            wait = self.free_at - now\n",
+        "            wait = nbytes / self.bandwidth\n", "inf_token_bucket"),
+    "an idle device banks credit": ("max(now, self.free_at)", "self.free_at", "inf_token_bucket"),
+    "exp_avg_sq never written back": ("zip(STATES, (master, exp_avg, exp_avg_sq)):\n                tier.write",
+                                      "zip(STATES[:2], (master, exp_avg)):\n                tier.write", "inf_tier_adamw"),
+    "every chunk read ahead at once": (
+        "        pending = deque(reader.submit(fetch, chunk) for chunk in chunks[:prefetch])\n",
+        "        pending = deque(reader.submit(fetch, chunk) for chunk in (chunks if prefetch else []))\n"
+        "        prefetch = prefetch and len(chunks)\n", "inf_tier_adamw"),
+    "the next read submitted after the write-back (no overlap)": (SUBMIT_NEXT + UPDATE_CHUNK, UPDATE_CHUNK + SUBMIT_NEXT,
+                                                                   "inf_tier_adamw"),
 }
 
 
@@ -141,7 +167,7 @@ def test_typical_mistakes_fail_their_graded_cell(mutant):
 
 def test_hidden_tests_are_worth_points(graded):
     report = graded(LESSON, "solution")
-    assert report.total == (14, 14), report.scores
+    assert report.total == (20, 20), report.scores
     learner = graded(LESSON, "learner")
     assert all(s.earned == 0 and s.reason for s in learner.scores), learner.scores
 
@@ -169,3 +195,74 @@ def test_checkpointed_blocks_train_like_one_process(world_size):
         for got, want, dim in zip(params, expected, [0, 0, 1, None] * 2):  # w1, b1, w2 sliced; b2 whole
             torch.testing.assert_close(got, want if dim is None else want.tensor_split(world_size, dim)[rank],
                                        atol=1e-5, rtol=1e-4)
+
+
+OPTIONS = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("sizes, chunk_numel, prefetch", [([10, 3], 4, 0), ([13, 1, 9], 4, 1), ([33], 8, 2)])
+def test_tier_adamw_matches_torch_adamw_and_moves_12_bytes_each_way(tmp_path, sizes, chunk_numel, prefetch):
+    g = torch.Generator().manual_seed(0)
+    masters = [torch.randn(n, generator=g) for n in sizes]
+    params = [nn.Parameter(m.clone()) for m in masters]
+    expected = torch.optim.AdamW(params, foreach=False, **OPTIONS)
+    names = [f"p{i}" for i in range(len(sizes))]
+    with NvmeTier(tmp_path) as tier:
+        put_states(tier, names, masters)
+        for step in range(1, 4):
+            grads = [torch.randn(n, generator=g) for n in sizes]
+            for p, grad in zip(params, grads):
+                p.grad = grad
+            expected.step()
+            read, written = tier.bytes_read, tier.bytes_written
+            tier_adamw_step(tier, names, grads, step, chunk_numel=chunk_numel, prefetch=prefetch, **OPTIONS)
+            assert tier.bytes_read - read == tier.bytes_written - written == 12 * sum(sizes)
+        assert tier.held_bytes == 0 and tier.peak_held_bytes <= (prefetch + 1) * 12 * chunk_numel
+        for name, p in zip(names, params):
+            torch.testing.assert_close(tier.read(f"{name}.master"), p.detach(), rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(tier.read(f"{name}.exp_avg_sq"), expected.state[p]["exp_avg_sq"], rtol=1e-6, atol=1e-9)
+
+
+def test_a_write_over_the_quota_fails_and_leaves_the_old_contents(tmp_path):
+    with NvmeTier(tmp_path, quota=40) as tier:
+        tier.write("w", torch.arange(6.0))
+        with pytest.raises(OSError, match="quota of 40 bytes") as error:
+            tier.write("w", torch.arange(11.0))
+        assert error.value.errno == errno.ENOSPC
+        assert tier.read("w").tolist() == list(range(6)) and tier.bytes_written == 24
+        assert [p.name for p in tier.directory.iterdir()] == ["w.f32"]  # no temporary left behind
+        tier.write("w", torch.ones(10))  # replacing within the quota is fine
+        assert tier.read("w", 8, 2).tolist() == [1.0, 1.0]
+
+
+def test_close_removes_only_the_tiers_own_files(tmp_path):
+    mine = tmp_path / "keep.txt"
+    mine.write_text("a user's file")
+    with NvmeTier(tmp_path) as tier:
+        tier.write("w", torch.ones(3))
+        directory = tier.directory
+        assert directory.parent == tmp_path and (directory / "w.f32").exists()
+    assert not directory.exists() and mine.read_text() == "a user's file"
+
+
+def test_bad_directory_and_names_get_errors_with_the_fix(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(OSError, match="pass a directory you can write to"):
+        NvmeTier(blocker / "tier")
+    with NvmeTier(tmp_path) as tier:
+        with pytest.raises(ValueError, match="plain file name"):
+            tier.write("../escape", torch.ones(1))
+        with pytest.raises(KeyError, match="no tensor 'missing'"):
+            tier.read("missing")
+    with pytest.raises(ValueError, match="pass None for no throttle"):
+        TokenBucket(0)
+
+
+def test_the_throttled_tier_takes_bytes_over_bandwidth(tmp_path):
+    with NvmeTier(tmp_path, bandwidth=4e6) as tier:
+        start = time.perf_counter()
+        tier.write("w", torch.zeros(50_000))  # 0.2 MB each way
+        tier.read("w")
+        took = time.perf_counter() - start
+    assert 0.09 <= took <= 0.5, took
