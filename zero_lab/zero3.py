@@ -835,9 +835,8 @@ class Zero3Optimizer(ShardedModelState, OptimizerOverCopies):
         if self.max_grad_norm is not None:  # parameters without gradient have zeros there: the norm is the same
             self.last_grad_norm = clip_grad_norm_(grads, [g.numel() for g in grads], self.max_grad_norm)
         for unit, grad in zip(trained, grads):
-            every = len(unit.had_grad) == len(unit.slices)  # the usual case: no set lookups
             for piece in unit.slices:
-                if every or piece.param in unit.had_grad:
+                if piece.param in unit.had_grad:
                     piece.master.grad = grad[piece.shard_offset:piece.shard_offset + piece.master.numel()]
         self.optimizer.step()
         for unit in trained:
