@@ -4,6 +4,8 @@ The models, data and losses both lessons train, the single-process baseline they
 and a `train` loop that works on one process and inside `zero_lab.launch`.
 """
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -101,7 +103,9 @@ def gpt_with_groups(stage, **options):
     model, optimizer = prepare(model, torch.optim.AdamW, stage=stage, params=gpt_groups(model), lr=1e-2, **options)
     train(model, optimizer, gpt_batches(), gpt_loss)
     tied = model.lm_head.weight is model.transformer.wte.weight
-    return weights(model), tied, model_state_bytes(model, optimizer).bytes
+    with getattr(optimizer, "gathered_parameters", contextlib.nullcontext)():  # stage 3: whole parameters
+        got = weights(model)
+    return got, tied, model_state_bytes(model, optimizer).bytes
 
 
 def bytes_per_step(stage, sizes, bucket_numel=None):

@@ -157,6 +157,7 @@ MUTANTS = {
         "        prefetch = prefetch and len(chunks)\n", "inf_tier_adamw"),
     "the next read submitted after the write-back (no overlap)": (SUBMIT_NEXT + UPDATE_CHUNK, UPDATE_CHUNK + SUBMIT_NEXT,
                                                                    "inf_tier_adamw"),
+    "on_update never called": ("                on_update(name, start, master)\n", "                pass\n", "inf_tier_adamw"),
 }
 
 

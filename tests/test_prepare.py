@@ -19,7 +19,7 @@ from zero_lab import CommLedger, launch
 from zero_lab.ddp import MasterWeightOptimizer
 from zero_lab.models import MLP
 from zero_lab.prepare import prepare
-from zero_lab.stages import OFFLOAD_MODULE, STAGES
+from zero_lab.stages import NVME_MODULE, OFFLOAD_MODULE, STAGES
 
 SCHEDULERS = {
     "StepLR": lambda optimizer: StepLR(optimizer, step_size=3, gamma=0.3),
@@ -194,6 +194,8 @@ def test_every_stage_of_the_table_is_built():
         assert isinstance(getattr(module, stage.builds), type), number
         if stage.offload:
             assert isinstance(getattr(importlib.import_module(OFFLOAD_MODULE), stage.offload), type), number
+        if stage.nvme:
+            assert isinstance(getattr(importlib.import_module(NVME_MODULE), stage.nvme), type), number
 
 
 def test_zero_lab_prepare_stays_the_function_once_its_module_is_imported():

@@ -56,9 +56,9 @@ def _unused_single_process():
     return weights(model), steps
 
 
-def _unused_stage3():
+def _unused_stage3(**options):
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    model, optimizer = prepare(Branchy(), torch.optim.AdamW, stage=3, **ADAMW)
+    model, optimizer = prepare(Branchy(), torch.optim.AdamW, stage=3, **ADAMW, **options)
     _branchy_steps(model, optimizer, mlp_batches(5), rank, world_size, optimizer.invalidate_order)
     full = optimizer.consolidated_state_dict()
     with optimizer.gathered_parameters():
@@ -69,10 +69,10 @@ def _unused_stage3():
     return got, {names[i]: int(state["step"]) for i, state in full["optimizer"]["state"].items()}
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_unused_parameter_is_not_updated(world_size):
+@pytest.mark.parametrize("world_size, options", [(2, {}), (3, {}), (3, {"offload": "nvme", "nvme_chunk_numel": 8})])
+def test_unused_parameter_is_not_updated(world_size, options):
     expected, expected_steps = _unused_single_process()
-    results = launch(_unused_stage3, world_size, timeout=60)
+    results = launch(_unused_stage3, world_size, timeout=60, **options)
     assert_close([w for w, _ in results], expected, atol=1e-6, rtol=1e-5)
     assert results[0][1] == expected_steps, "a parameter without gradient keeps its step count"
     assert expected_steps["skip.weight"] == 3 and expected_steps["rare"] == 2

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from zero_lab import launch
-from zero_lab.train import train
+from zero_lab.train import main, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,6 +18,18 @@ def test_every_stage_trains_the_same_model_the_same_way():
     assert curves[0][-1] < curves[0][0]
     for stage in (1, 2):
         assert curves[stage] == pytest.approx(curves[0], rel=1e-5)
+
+
+def test_stage_3_with_its_optimizer_on_the_nvme_tier_trains_as_stage_3(tmp_path, capfd):
+    in_memory = launch(train, 2, 3, 4, 12, 3e-3)[0]
+    main(["--stage", "3", "--offload", "nvme", "--nvme-dir", str(tmp_path), "--steps", "4", "--nproc", "2"])
+    assert f"stage 3 offload=nvme nvme_dir={tmp_path}, 2 ranks: loss {in_memory[0]:.3f} -> {in_memory[-1]:.3f}" \
+        in capfd.readouterr().out
+    assert os.listdir(tmp_path) == [], "the tiers' files outlived training"
+    for wrong in (["--stage", "2", "--offload", "nvme"], ["--stage", "3", "--nvme-dir", str(tmp_path)]):
+        with pytest.raises(SystemExit):
+            main(wrong)
+    assert "--offload nvme works with --stage 3" in capfd.readouterr().err
 
 
 def test_runs_under_torchrun_with_env_rendezvous(tmp_path):

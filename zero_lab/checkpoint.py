@@ -32,11 +32,15 @@ def save_checkpoint(state, file) -> None:
         _write(file, payload)
         return
     partial = f"{os.fspath(file)}.partial"
-    with open(partial, "wb") as f:
-        _write(f, payload)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, file)
+    try:
+        with open(partial, "wb") as f:
+            _write(f, payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, file)
+    finally:  # a full disk: the previous checkpoint stays as it was, no half-written file beside it
+        if os.path.exists(partial):
+            os.remove(partial)
 
 
 def _write(f, payload) -> None:

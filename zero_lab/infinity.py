@@ -6,8 +6,10 @@ TokenBucket       a device of a given bandwidth: every transfer waits its bytes 
 NvmeTier          named flat fp32 tensors in files, each read and write charged to a TokenBucket
 tier_adamw_step   AdamW over master, exp_avg, exp_avg_sq kept on the tier, streamed chunk by chunk,
                   the next chunks' reads running while the current chunk is updated (§5, §6.2)
+Zero3Infinity     stage 3 with those states on the tier: prepare(..., stage=3, offload="nvme")
 No real SSD is timed: the OS page cache would hide its speed; the bucket's bandwidth is the model.
 """
+import ctypes
 import errno
 import os
 import shutil
@@ -16,11 +18,15 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from zero_lab.cpu_adam import cpu_adam_
+from zero_lab.launcher import remove_when_rank_ends
+from zero_lab.zero1 import MASTER_DTYPE, clip_grad_norm_
+from zero_lab.zero3 import Zero3Optimizer
 
 
 class TokenBucket:
@@ -61,6 +67,7 @@ class NvmeTier:
         except OSError as error:
             raise OSError(error.errno, f"NvmeTier cannot create its files under {str(directory)!r} ({error.strerror}): "
                                        f"pass a directory you can write to, e.g. tempfile.gettempdir()") from error
+        remove_when_rank_ends(self.directory)  # a failed rank's files go too
         self.bucket = TokenBucket(bandwidth) if bandwidth is not None else None
         self.quota = quota
         self.numels: dict[str, int] = {}
@@ -97,7 +104,8 @@ class NvmeTier:
     def write(self, name: str, tensor: torch.Tensor, start: int | None = None) -> None:
         """start=None: tensor becomes `name` (atomically: a temporary file, then os.replace).
         start=k: write tensor back over elements [k, k + numel) of the existing `name`, in place."""
-        data = tensor.detach().to("cpu", torch.float32).contiguous().reshape(-1).numpy().tobytes()
+        flat = tensor.detach().to("cpu", torch.float32).contiguous().reshape(-1)
+        data = ctypes.string_at(flat.data_ptr(), 4 * flat.numel())  # not .numpy(): it pins the storage's size
         if start is not None:
             if start + len(data) // 4 > self.numels.get(name, -1):
                 raise ValueError(f"{name!r}: a slice [{start}, {start + len(data) // 4}) beyond its {self.numels.get(name)} elements")
@@ -146,11 +154,13 @@ def put_states(tier: NvmeTier, names: list[str], masters: list[torch.Tensor]) ->
 @torch.no_grad()
 def tier_adamw_step(tier: NvmeTier, names: list[str], grads: list[torch.Tensor], step: int, *, lr: float,
                     betas: tuple[float, float], eps: float, weight_decay: float, chunk_numel: int,
-                    prefetch: int = 1) -> None:
+                    prefetch: int = 1, on_update=None) -> None:
     """One AdamW step (torch.optim.AdamW's arithmetic) of the states put_states put on the tier; step counts from 1.
 
     Streams (master, exp_avg, exp_avg_sq) chunk_numel elements at a time, prefetch chunks' reads ahead
-    in a background thread; host memory holds at most (prefetch + 1) chunks of the three.
+    in a background thread; host memory holds at most (prefetch + 1) chunks of the three. on_update(name,
+    start, master), if given, sees each updated master chunk once it is written back (stage 3 copies it
+    into the shard the model computes with).
     """
     chunks = [(name, grad.reshape(-1), start, min(chunk_numel, grad.numel() - start))
               for name, grad in zip(names, grads) for start in range(0, grad.numel(), chunk_numel)]
@@ -170,3 +180,179 @@ def tier_adamw_step(tier: NvmeTier, names: list[str], grads: list[torch.Tensor],
                       weight_decay=weight_decay)
             for state, value in zip(STATES, (master, exp_avg, exp_avg_sq)):
                 tier.write(f"{name}.{state}", value, start)
+            if on_update is not None:
+                on_update(name, start, master)
+
+
+class Zero3Infinity(Zero3Optimizer):
+    """ZeRO stage 3 with AdamW's states on a SIMULATED NVMe tier (ZeRO-Infinity's optimizer offload):
+    zero_lab.prepare(model, torch.optim.AdamW, stage=3, offload="nvme", nvme_dir=..., ...) builds it.
+
+    Every trainable parameter's slice of this rank's shard keeps its fp32 master, exp_avg and exp_avg_sq
+    on the tier (12 bytes per element; 4 for the rest of the shard). step() streams them through
+    tier_adamw_step, chunk_numel elements at a time, `prefetch` chunks read ahead, and copies each updated
+    master chunk into the shard the model computes with. Memory keeps the compute shards, the gradient
+    shards and a few chunks; with param_dtype=torch.bfloat16 the fp32 masters live on the tier only
+    (checkpoints, state dicts and model.load_state_dict read them back, one rank's shard at a time).
+
+    nvme_dir        where the tier makes its directory (default: the system's temporary directory)
+    nvme_bandwidth  bytes/s charged to every transfer of the tier (None: as fast as the files go)
+    nvme_quota      the most bytes this rank's tier may hold (checked before anything is written)
+    nvme_chunk_numel  elements per streamed chunk
+    The tier's directory is removed by close(), at exit, and by zero_lab.launch however a rank ends.
+    """
+
+    def __init__(self, model, optimizer_class=torch.optim.AdamW, params=None, *, nvme_dir=None,
+                 nvme_bandwidth: float | None = None, nvme_quota: int | None = None, nvme_chunk_numel: int = 2**16,
+                 **options):
+        if optimizer_class is not torch.optim.AdamW:
+            raise ValueError(f"the NVMe tier streams AdamW's states (tier_adamw_step): use torch.optim.AdamW, "
+                             f"not {getattr(optimizer_class, '__name__', optimizer_class)}")
+        for flag in ("amsgrad", "maximize"):
+            if options.get(flag):
+                raise ValueError(f"{flag}=True is not streamed from the tier: leave it False")
+        super().__init__(model, optimizer_class, params, **options)
+        self.chunk_numel, self.read_ahead = nvme_chunk_numel, self.schedule.prefetch
+        self.group_of = {p: i for i, group in enumerate(self.param_groups) for p in group["params"]}
+        self.pieces = {unit: [(f"u{i}.p{j}", piece) for j, piece in enumerate(unit.slices)]
+                       for i, unit in enumerate(self.units)}
+        self.rest = {unit: [(f"u{i}.r{j}", start, numel) for j, (start, numel) in enumerate(_uncovered(unit))]
+                     for i, unit in enumerate(self.units)}
+        directory = tempfile.gettempdir() if nvme_dir is None else nvme_dir
+        self._check_space(directory, nvme_quota)
+        self.tier = NvmeTier(directory, nvme_bandwidth, nvme_quota)
+        try:
+            for unit in self.units:
+                put_states(self.tier, [name for name, _ in self.pieces[unit]],
+                           [piece.master for _, piece in self.pieces[unit]])
+                for name, start, numel in self.rest[unit]:
+                    self.tier.write(f"{name}.master", unit.master[start:start + numel])
+                self._release_master(unit)
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_space(self, directory, quota) -> None:
+        """Refuse before writing anything: a quota or a disk too small for this rank's states."""
+        needed = sum(12 * piece.master.numel() for unit in self.units for piece in unit.slices) + \
+            sum(4 * numel for rest in self.rest.values() for _, _, numel in rest)
+        free = shutil.disk_usage(directory).free if os.path.isdir(directory) else None
+        for limit, what, fix in ((quota, "nvme_quota", "a larger nvme_quota="),
+                                 (free, f"the free space of {directory}", "another nvme_dir= or free some space")):
+            if limit is not None and needed > limit:
+                raise OSError(errno.ENOSPC, f"rank {self.rank}'s states need {needed:,} bytes on the tier (12 per "
+                                            f"trained element of its shard, 4 per other), {what} is {limit:,}: "
+                                            f"use {fix}, or more ranks")
+
+    def close(self) -> None:
+        """Remove the tier's files (every rank calls it when training ends; at exit it happens anyway)."""
+        if hasattr(self, "tier"):  # not if __init__ failed before making it
+            self.tier.close()
+
+    def _release_master(self, unit) -> None:
+        if unit.master is not unit.shard:  # mixed precision: the fp32 master is on the tier only
+            unit.master.untyped_storage().resize_(0)
+
+    @contextmanager
+    def _states_in_memory(self, units=None, moments=False, write_back=False):
+        """Inside: units' fp32 masters (and with moments, AdamW's exp_avg, exp_avg_sq) in memory, as stage 3
+        keeps them; on exit with write_back the tier gets what they hold. Then memory holds steps only."""
+        units = self.units if units is None else units
+        for unit in units:
+            if unit.master is not unit.shard:
+                unit.master.untyped_storage().resize_(4 * unit.master.numel())
+                for name, start, numel in self._segments(unit):
+                    unit.master[start:start + numel] = self.tier.read(f"{name}.master")
+            for name, piece in self.pieces[unit] if moments else ():
+                state = self.optimizer.state.get(piece.master)
+                if state:
+                    state.update((key, self.tier.read(f"{name}.{key}")) for key in STATES[1:])
+        try:
+            yield
+        finally:
+            for unit in units:
+                if write_back:
+                    for name, start, numel in self._segments(unit):
+                        self.tier.write(f"{name}.master", unit.master[start:start + numel])
+                for name, piece in self.pieces[unit]:
+                    state = self.optimizer.state.get(piece.master, {})
+                    if write_back and moments:
+                        for key in STATES[1:]:  # a parameter never stepped starts from zeros, as torch's
+                            self.tier.write(f"{name}.{key}", state.get(key, torch.zeros_like(piece.master)))
+                    for key in STATES[1:] if moments else ():
+                        state.pop(key, None)
+                self._release_master(unit)
+
+    def _segments(self, unit):
+        """(tier name, start, numel): where each part of the unit's shard is kept on the tier."""
+        yield from ((name, piece.shard_offset, piece.master.numel()) for name, piece in self.pieces[unit])
+        yield from self.rest[unit]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One AdamW step streamed from the tier, for the parameters that got a gradient (on any rank)."""
+        if closure is not None:
+            raise ValueError("stage 3 does not take a closure: compute the loss and call backward() before step()")
+        trained = {unit: unit.grad_shard.to(MASTER_DTYPE) for unit in self.units if unit.grad_shard is not None}
+        if self.max_grad_norm is not None:
+            self.last_grad_norm = clip_grad_norm_(list(trained.values()), [g.numel() for g in trained.values()],
+                                                  self.max_grad_norm)
+        batches = {}  # (param group, step number) -> names and gradients of the pieces stepped together
+        for unit, grad in trained.items():
+            for name, piece in self.pieces[unit]:
+                if piece.param in unit.had_grad:
+                    state = self.optimizer.state[piece.master]
+                    state["step"] = state.get("step", torch.tensor(0.0)) + 1
+                    names, grads = batches.setdefault((self.group_of[piece.master], int(state["step"])), ([], []))
+                    names.append(name)
+                    grads.append(grad[piece.shard_offset:piece.shard_offset + piece.master.numel()])
+        shard_of = {name: unit.shard[piece.shard_offset:piece.shard_offset + piece.master.numel()]
+                    for unit in trained for name, piece in self.pieces[unit]}
+
+        def refresh(name, start, master):  # the compute shard follows its fp32 master, chunk by chunk
+            shard_of[name][start:start + master.numel()].copy_(master)
+
+        for (index, step), (names, grads) in batches.items():
+            group = self.param_groups[index]
+            tier_adamw_step(self.tier, names, grads, step, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                            weight_decay=group["weight_decay"], chunk_numel=self.chunk_numel, prefetch=self.read_ahead,
+                            on_update=refresh)
+
+    # Leaving stage 3 reads the states back: each of these runs stage 3's own with them in memory.
+    def _full_masters(self, unit):
+        with self._states_in_memory([unit]):
+            return super()._full_masters(unit)
+
+    def _write_through(self, unit, full) -> None:
+        with self._states_in_memory([unit], write_back=True):
+            super()._write_through(unit, full)
+
+    def state_dict(self) -> dict:
+        with self._states_in_memory(moments=True):
+            state = super().state_dict()
+            saved = state["optimizer"]["state"]  # the optimizer's own dicts, which leaving the block empties
+            state["optimizer"]["state"] = {index: dict(values) for index, values in saved.items()}
+            return state
+
+    def load_state_dict(self, state: dict) -> None:
+        with self._states_in_memory(moments=True, write_back=True):
+            super().load_state_dict(state)
+
+    def consolidated_state_dict(self, dst: int = 0) -> dict | None:
+        with self._states_in_memory(moments=True):
+            return super().consolidated_state_dict(dst)
+
+    def tier_bytes(self) -> int:
+        """Bytes this rank keeps on the tier."""
+        return 4 * sum(self.tier.numels.values())
+
+
+def _uncovered(unit) -> list[tuple[int, int]]:
+    """(start, numel) of the parts of the unit's shard no trainable parameter covers: frozen ones, padding."""
+    gaps, at = [], 0
+    for start, numel in sorted((piece.shard_offset, piece.master.numel()) for piece in unit.slices) + \
+            [(unit.master.numel(), 0)]:
+        if start > at:
+            gaps.append((at, start - at))
+        at = max(at, start + numel)
+    return gaps

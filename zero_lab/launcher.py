@@ -27,6 +27,7 @@ Under `torchrun`, call `init_distributed()` instead: it reads torchrun's environ
 
 from __future__ import annotations
 
+import atexit
 import builtins
 import ctypes
 import faulthandler
@@ -65,6 +66,7 @@ RENDEZVOUS_PREFIX = "zero_lab_rendezvous_"
 TRANSPORT_ERROR = re.compile(r"Connection (reset|closed) by peer|Broken pipe|gloo/transport|DistNetworkError"
                              r"|NCCL communicator was aborted|ncclRemoteError")
 _in_rank = False  # True in a process that launch started
+_removals_file = None  # in a rank: where remove_when_rank_ends lists paths for launch to remove
 
 
 class RankFailed(RuntimeError):
@@ -128,10 +130,10 @@ def _die_with_parent() -> None:
 
 
 def _rank_main(fn, args, kwargs, rank, world_size, store_file, conn, stack_file, timeout, restore):
-    global _in_rank
+    global _in_rank, _removals_file
     if restore:
         restore_as_imported()
-    _in_rank = True
+    _in_rank, _removals_file = True, os.path.join(os.path.dirname(store_file), "remove-when-ranks-end")
     _die_with_parent()
     os.setsid()  # a process group of its own: launch kills whatever this rank starts along with it
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the parent while it forked
@@ -336,12 +338,38 @@ def _clean_up(procs, closables, store_dir) -> None:
                     proc.join()
                 for item in closables:
                     item.close()
+                _remove_listed(os.path.join(store_dir, "remove-when-ranks-end"))
                 shutil.rmtree(store_dir, ignore_errors=True)
             break
         except KeyboardInterrupt as interrupt:  # delivered just before SIGINT was blocked
             interrupted = interrupt
     if interrupted is not None:
         raise interrupted
+
+
+def remove_when_rank_ends(path) -> None:
+    """Remove the directory `path` (made by this process) when its work ends, however it ends.
+
+    In a rank of zero_lab.launch, launch removes it after killing the ranks (a failed or hung rank
+    included); elsewhere (torchrun, a script), at interpreter exit. A rank that is SIGKILLed under
+    torchrun leaves it behind: its owner removes it earlier where it can (e.g. NvmeTier.close).
+    """
+    path = os.path.abspath(path)
+    if _removals_file is None:
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+        return
+    with open(_removals_file, "a") as listing:
+        listing.write(path + "\n")
+
+
+def _remove_listed(listing: str) -> None:
+    try:
+        with open(listing) as f:
+            paths = f.read().splitlines()
+    except FileNotFoundError:
+        return
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _kill_group(proc) -> None:

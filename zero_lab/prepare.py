@@ -10,7 +10,7 @@
 The stages, their modules, classes and options are one table, zero_lab/stages.py (docs/stages.md):
 stage 0 is DDP (lesson 02), 1 shards the optimizer states (P_os, lesson 03), 2 the gradients too
 (P_os+g, lesson 04), 3 the parameters too (P_os+g+p, lesson 05); stages 1-2 with offload="cpu"
-are ZeRO-Offload (lesson 06).
+are ZeRO-Offload (lesson 06), stage 3 with offload="nvme" ZeRO-Infinity's NVMe tier (lesson 10).
 
 Options besides the optimizer's own (lr, betas, weight_decay, ...):
     params=         tensors or param-group dicts, as torch.optim takes them (default: all of the model's)
@@ -24,6 +24,10 @@ Options besides the optimizer's own (lr, betas, weight_decay, ...):
     ranks_per_node=, qwz=, hpz=, qgz=, replicate_across_nodes=
                     stage 3 on nodes of ranks_per_node ranks (lesson 09, zero_lab.zeropp): ZeRO++'s
                     quantized weights, hierarchical partition, quantized gradients (any subset), or HSDP
+    offload="nvme", nvme_dir=, nvme_bandwidth=, nvme_quota=, nvme_chunk_numel=
+                    stage 3: ZeRO-Infinity (lesson 10, zero_lab.infinity): fp32 masters and Adam's states on a
+                    simulated NVMe tier in nvme_dir (bytes/s nvme_bandwidth, at most nvme_quota bytes per rank),
+                    streamed nvme_chunk_numel elements at a time, prefetch= chunks read ahead
     offload="cpu"   stages 1-2: ZeRO-Offload (lesson 06, zero_lab.offload): fp32 masters, Adam's states,
                     gradient shards and the update on the host; the 16-bit parameters on the device
     dpu_warmup_steps=  with offload: the one-step delayed parameter update after this many ordinary
@@ -53,7 +57,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from zero_lab.stages import NODE_OPTIONS, OFFLOAD_LESSON, OFFLOAD_MODULE, OFFLOAD_OPTIONS, STAGES
+from zero_lab.stages import (NODE_OPTIONS, NVME_LESSON, NVME_MODULE, NVME_OPTIONS, OFFLOAD_LESSON, OFFLOAD_MODULE,
+                             OFFLOAD_OPTIONS, STAGES)
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16)
 _prepared = WeakIdKeyDictionary()  # model -> what prepare made of it last (holds its gradient hooks)
@@ -67,12 +72,15 @@ def prepare(model: torch.nn.Module, optimizer_class: type, stage: int = 0, *, pa
     zero_options = {k: options.pop(k) for k in list(options) if k in row.options}
     _check_options(optimizer_class, stage, options)
     _check_dtypes(model, zero_options.get("param_dtype"))
-    offload = _check_offload(zero_options)
+    offload = _check_offload(stage, zero_options)
     on_nodes = _on_nodes(zero_options)
-    module_name, lesson, builds = ((OFFLOAD_MODULE, OFFLOAD_LESSON, row.offload) if offload
+    if offload == "nvme" and on_nodes:
+        raise TypeError('offload="nvme" and ranks_per_node= together are not built in this course: use one of them')
+    module_name, lesson, builds = ((OFFLOAD_MODULE, OFFLOAD_LESSON, row.offload) if offload == "cpu"
+                                   else (NVME_MODULE, NVME_LESSON, row.nvme) if offload == "nvme"
                                    else (row.nodes.module, row.nodes.lesson, row.nodes.builds) if on_nodes
                                    else (row.module, row.lesson, row.builds))
-    variant = " with offload" if offload else " on nodes" if on_nodes else ""
+    variant = f' with offload="{offload}"' if offload else " on nodes" if on_nodes else ""
     module = _lesson_module(module_name, lesson, f"stage {stage}{variant}")
     param_dtype = zero_options.get("param_dtype")
     _warn_about_batch_norm(model)
@@ -82,6 +90,8 @@ def prepare(model: torch.nn.Module, optimizer_class: type, stage: int = 0, *, pa
             handle.remove()  # they would reduce every gradient again, or hand the new optimizer zeros
         if hasattr(previous, "unshard_model"):  # stage 3 sharded the model in place: whole parameters again
             previous.unshard_model()
+        if hasattr(previous, "close"):  # its NVMe tier's files
+            previous.close()
         model.zero_grad(set_to_none=True)  # views into the old optimizer's buffers
     built = getattr(module, builds)
     if row.wraps_model:
@@ -172,16 +182,26 @@ def _check_options(optimizer_class, stage, options) -> None:
                     f"stage {stage} adds {sorted(STAGES[stage].options) or 'nothing'}")
 
 
-def _check_offload(zero_options: dict) -> bool:
-    """Whether to offload (the offload option removed from zero_options); its companions need it."""
-    offload = zero_options.pop("offload", None)
-    if offload not in (None, "cpu"):
-        raise ValueError(f'offload must be "cpu" (ZeRO-Offload: optimizer states and step on the host) or None, '
+def _check_offload(stage: int, zero_options: dict) -> str | None:
+    """Where to offload: None, "cpu" or "nvme" (the offload option removed from zero_options); the
+    companions of each need it."""
+    offload, row = zero_options.pop("offload", None), STAGES[stage]
+    offloaded = " and ".join(str(s) for s, r in STAGES.items() if r.offload)
+    if offload not in (None, "cpu", "nvme"):
+        raise ValueError(f'offload must be "cpu" (ZeRO-Offload, stages {offloaded}: optimizer states and step on the '
+                         f'host), "nvme" (ZeRO-Infinity, stage 3: optimizer states on an NVMe tier) or None, '
                          f"got {offload!r}")
-    companions = sorted(set(zero_options) & (OFFLOAD_OPTIONS - {"offload"}))
-    if companions and offload is None:
-        raise TypeError(f"{companions} only apply with offload=\"cpu\": pass offload=\"cpu\" or leave them out")
-    return offload is not None
+    if offload == "cpu" and row.offload is None:
+        raise ValueError(f'offload="cpu" is ZeRO-Offload for stages {offloaded} (lesson {OFFLOAD_LESSON}); stage 3 '
+                         f'offloads to NVMe here: offload="nvme" (lesson {NVME_LESSON})')
+    if offload == "nvme" and row.nvme is None:
+        raise ValueError(f'offload="nvme" is ZeRO-Infinity for stage 3 (lesson {NVME_LESSON}): use stage=3, or '
+                         f'offload="cpu" with stage {stage}')
+    for kind, options in (("cpu", OFFLOAD_OPTIONS), ("nvme", NVME_OPTIONS)):
+        companions = sorted(set(zero_options) & (options - {"offload"}))
+        if companions and offload != kind:
+            raise TypeError(f'{companions} only apply with offload="{kind}": pass offload="{kind}" or leave them out')
+    return offload
 
 
 def _on_nodes(zero_options: dict) -> bool:

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 OFFLOAD_LESSON, OFFLOAD_MODULE = "06_offload", "zero_lab.offload"
 OFFLOAD_OPTIONS = frozenset({"offload", "dpu_warmup_steps", "cpu_adam", "adam_threads"})
+# Stage 3 with offload="nvme" (lesson 10): ZeRO-Infinity's optimizer states on a simulated NVMe tier.
+NVME_LESSON, NVME_MODULE = "10_infinity", "zero_lab.infinity"
+NVME_OPTIONS = frozenset({"offload", "nvme_dir", "nvme_bandwidth", "nvme_quota", "nvme_chunk_numel"})
 # Stage 3 on nodes of ranks_per_node ranks (lesson 09): ZeRO++ (qwz, hpz, qgz) or HSDP.
 NODE_OPTIONS = frozenset({"ranks_per_node", "qwz", "hpz", "qgz", "replicate_across_nodes", "weights_block",
                           "grads_block"})
@@ -37,6 +40,7 @@ class Stage:
     offload: str | None = None  # with offload="cpu": this class of OFFLOAD_MODULE instead (ZeRO-Offload)
     wraps_model: bool = False  # prepare returns builds(model) and the user's optimizer (DDP)
     nodes: Variant | None = None  # with ranks_per_node=: this class instead (ZeRO++ and HSDP)
+    nvme: str | None = None  # with offload="nvme": this class of NVME_MODULE instead (ZeRO-Infinity)
 
     @property
     def shards_parameters(self) -> bool:
@@ -53,8 +57,8 @@ STAGES = {
     3: Stage("P_os+g+p", ("master_params", "optimizer_states", "gradients", "parameters"), "05_zero3",
              "zero_lab.zero3", "Zero3Optimizer",
              frozenset({"param_dtype", "max_grad_norm", "units", "prefetch", "max_live_numel", "reshard_last", "init_fn",
-                        *NODE_OPTIONS}),
-             nodes=Variant("09_zeropp", "zero_lab.zeropp", "ZeroPPOptimizer")),
+                        *NODE_OPTIONS, *NVME_OPTIONS}),
+             nodes=Variant("09_zeropp", "zero_lab.zeropp", "ZeroPPOptimizer"), nvme="Zero3Infinity"),
 }
 
 
@@ -65,11 +69,13 @@ def prepare_arguments(lesson: str) -> list[str]:
     found = []
     for number, stage in STAGES.items():
         if stage.lesson == lesson:
-            found.append(entry(f"stage={number}", stage.options - OFFLOAD_OPTIONS - NODE_OPTIONS))
+            found.append(entry(f"stage={number}", stage.options - OFFLOAD_OPTIONS - NODE_OPTIONS - NVME_OPTIONS))
         if stage.nodes and lesson == stage.nodes.lesson:
             found.append(entry(f"stage={number}, ranks_per_node=N", stage.options & NODE_OPTIONS - {"ranks_per_node"}))
         if stage.offload and lesson == OFFLOAD_LESSON:
-            found.append(entry(f'stage={number}, offload="cpu"', stage.options - {"offload"}))
+            found.append(entry(f'stage={number}, offload="cpu"', stage.options - {"offload"} - NVME_OPTIONS))
+        if stage.nvme and lesson == NVME_LESSON:
+            found.append(entry(f'stage={number}, offload="nvme"', stage.options - {"offload"} - NODE_OPTIONS))
     return found
 
 
@@ -85,6 +91,8 @@ def markdown() -> str:
             builds += f"; offload=\"cpu\": `{OFFLOAD_MODULE}.{stage.offload}` ({OFFLOAD_LESSON})"
         if stage.nodes:
             builds += f"; ranks_per_node=: `{stage.nodes.module}.{stage.nodes.builds}` ({stage.nodes.lesson})"
+        if stage.nvme:
+            builds += f"; offload=\"nvme\": `{NVME_MODULE}.{stage.nvme}` ({NVME_LESSON})"
         options = ", ".join(f"`{option}`" for option in sorted(stage.options))
         rows.append(f"| {number} | {stage.name} | {', '.join(stage.partitions) or 'nothing (replicated)'} "
                     f"| {stage.lesson} | {builds} | {options} |")

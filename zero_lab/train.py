@@ -2,6 +2,7 @@
 
     python -m zero_lab.train --nproc 2 --stage 1            # zero_lab.launch starts 2 ranks
     torchrun --nproc-per-node 2 -m zero_lab.train --stage 1  # torchrun starts them (any number of machines)
+    python -m zero_lab.train --stage 3 --offload nvme       # ZeRO-Infinity's (simulated) NVMe tier
 
 Both run the same `train` function: it joins the process group from the environment
 (`init_distributed`), takes its shard of each global batch, and prints the loss and the
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 import torch
@@ -36,14 +38,18 @@ def train(stage: int, steps: int, global_batch: int, lr: float, seed: int = 0, *
                                **zero_options)
     batches = token_batches(steps, global_batch, config.block_size, config.vocab_size, seed=seed)
     rank_losses = []
-    with CommLedger() as ledger:  # counts the training's collectives only
-        for tokens, targets in batches:
-            tokens, targets = (t.to(device) for t in shard_batch((tokens, targets), rank, world_size))
-            _, loss = model(tokens, targets)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            rank_losses.append(loss.detach())
+    try:
+        with CommLedger() as ledger:  # counts the training's collectives only
+            for tokens, targets in batches:
+                tokens, targets = (t.to(device) for t in shard_batch((tokens, targets), rank, world_size))
+                _, loss = model(tokens, targets)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                rank_losses.append(loss.detach())
+    finally:
+        if hasattr(optimizer, "close"):  # offload="nvme": the tier's files
+            optimizer.close()
     losses = torch.stack(rank_losses)
     dist.all_reduce(losses)  # the mean over ranks is the global batch's mean loss
     losses = (losses / world_size).tolist()
@@ -67,6 +73,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ranks-per-node", type=int, help="stage 3 on nodes of this many ranks (lesson 09)")
     parser.add_argument("--zeropp", default="", help="with --ranks-per-node: any of qwz,hpz,qgz (comma-separated)")
     parser.add_argument("--hsdp", action="store_true", help="with --ranks-per-node: shard in the node, replicate across")
+    parser.add_argument("--offload", choices=["cpu", "nvme"],
+                        help="cpu: ZeRO-Offload, stages 1-2 (lesson 06); nvme: ZeRO-Infinity's simulated NVMe tier, "
+                             "stage 3 (lesson 10)")
+    parser.add_argument("--nvme-dir", help="with --offload nvme: where each rank's tier keeps its files "
+                                           "(default: the system's temporary directory)")
+    parser.add_argument("--nvme-bandwidth", type=float, help="with --offload nvme: the tier's bytes/s (default: unthrottled)")
     args = parser.parse_args(argv)
     run = (args.stage, args.steps, args.global_batch, args.lr)
     techniques = [t for t in args.zeropp.split(",") if t]
@@ -77,7 +89,18 @@ def main(argv: list[str] | None = None) -> None:
     options = dict.fromkeys(techniques, True)
     if args.ranks_per_node is not None:
         options.update(ranks_per_node=args.ranks_per_node, replicate_across_nodes=args.hsdp)
+    nvme = {"nvme_dir": args.nvme_dir, "nvme_bandwidth": args.nvme_bandwidth}
+    if args.offload != "nvme" and any(v is not None for v in nvme.values()):
+        parser.error("--nvme-dir and --nvme-bandwidth need --offload nvme")
+    if args.offload:
+        row = STAGES[args.stage]
+        if not (row.nvme if args.offload == "nvme" else row.offload):
+            parser.error(f"--offload {args.offload} works with --stage "
+                         f"{' or '.join(str(s) for s, r in STAGES.items() if (r.nvme if args.offload == 'nvme' else r.offload))}")
+        options.update(offload=args.offload, **{k: v for k, v in nvme.items() if v is not None})
     if "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ:  # started by torchrun
+        # torchrun stops the other ranks with SIGTERM when one fails: unwind, so that `finally` blocks run
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
         train(*run, **options)
         dist.destroy_process_group()
         # Leave without the interpreter's teardown: there, about one run in ten on a loaded machine
