@@ -5,11 +5,12 @@ explained, the largest model that fits a budget, step time and bytes per step (l
     python benchmarks/memory_vs_formula.py --nd 1 2 3 --sizes S M L --fit-budget-mb 24
     torchrun --nproc-per-node 8 benchmarks/memory_vs_formula.py  # a GPU node: Nd = 8, one GPU per rank
 
-A stage is a row of `ROWS`: the keyword arguments of `zero_lab.prepare`. A row this build of
-zero_lab refuses (stage 3 before lesson 05, offload before lesson 06) is reported as "not
-available in this build" with prepare's own message. Every rank trains the course GPT with
-mixed precision (bf16 parameters and gradients, fp32 masters and AdamW: the paper's K = 12) on
-MICRO_BATCH rows of each global batch, so activations per rank stay fixed as Nd grows.
+A stage is a row of `ROWS` (or of `NVME_ROWS`, lesson 10's, with --rows): the keyword arguments
+of `zero_lab.prepare`. A row this build of zero_lab refuses (stage 3 before lesson 05, offload
+before lesson 06) is reported as "not available in this build" with prepare's own message. Every
+rank trains the course GPT with mixed precision (bf16 parameters and gradients, fp32 masters and
+AdamW: the paper's K = 12) on MICRO_BATCH rows of each global batch, so activations per rank
+stay fixed as Nd grows.
 
 What is measured, and said in every output (the probe is zero_lab/step_memory.py):
   any device (`step_memory`): the memory ledger's model-state bytes by category, read at every
@@ -59,6 +60,10 @@ ROWS = {  # label -> zero_lab.prepare keyword arguments
     "P_os+g+p": dict(stage=3),
     "P_os+g, offload": dict(stage=2, offload="cpu"),
 }
+NVME_ROWS = {  # lesson 10: ZeRO-Infinity's optimizer states on a simulated NVMe tier (files, not memory)
+    "P_os+g+p, NVMe": dict(stage=3, offload="nvme"),
+}
+ALL_ROWS = {**ROWS, **NVME_ROWS}
 SIZES = {  # the course GPT at three sizes (n_head 4, vocabulary 256, 64 tokens)
     "S": GPTConfig(vocab_size=256, n_layer=2, n_head=4, n_embd=64, block_size=64),
     "M": GPTConfig(vocab_size=256, n_layer=4, n_head=4, n_embd=128, block_size=64),
@@ -84,10 +89,13 @@ def formula(row: str, psi: int, nd: int) -> dict:
 
     Offload (zero_lab.offload, lesson 06) keeps stage 2's partitioned states on the host and, as
     DeepSpeed's estimators count, an fp32 gradient shard there: 2Ψ on the device + 16Ψ/Nd on the host.
+    The NVMe rows (lesson 10) keep stage 3's 16-bit shards in memory, 4Ψ/Nd, and 12Ψ/Nd on the tier.
     """
-    states = memory.model_states_per_device(psi, nd, ROWS[row]["stage"])
-    if ROWS[row].get("offload"):
+    states = memory.model_states_per_device(psi, nd, ALL_ROWS[row]["stage"])
+    if ALL_ROWS[row].get("offload") == "cpu":
         states["gradients"] = Fraction(4 * psi, nd)
+    if ALL_ROWS[row].get("offload") == "nvme":  # masters and moments, 12Ψ/Nd, are on the tier
+        states.update(master_params=Fraction(0), optimizer_states=Fraction(0))
     return states
 
 
@@ -95,13 +103,14 @@ def predicted_fit(row: str, budget: int, nd: int, device_only: bool) -> int:
     """The largest Ψ whose formula bytes fit the budget. device_only (a GPU): offload counts its
     2Ψ on the device; on CPU the simulated device and the host share one memory: every byte counts."""
     per_param = formula(row, 1, nd)
-    per_param = per_param["parameters"] if device_only and ROWS[row].get("offload") else sum(per_param.values())
+    per_param = per_param["parameters"] if device_only and ALL_ROWS[row].get("offload") == "cpu" \
+        else sum(per_param.values())
     return math.floor(Fraction(budget) / per_param)
 
 
 def comm_formula(row: str, psi: int, nd: int) -> Fraction:
     """Bytes a rank sends per step: 2Ψ (3Ψ for stage 3) bf16 elements, exact ring factor (Nd-1)/Nd."""
-    return 2 * memory.communication_volume(psi, ROWS[row]["stage"], nd)
+    return 2 * memory.communication_volume(psi, ALL_ROWS[row]["stage"], nd)
 
 
 # --- one configuration on this rank ---------------------------------------------------------------
@@ -111,7 +120,7 @@ def _device() -> torch.device:
 
 
 def _prepare(row: str, model):
-    return zero_lab.prepare(model, torch.optim.AdamW, param_dtype=PARAM_DTYPE, **ROWS[row], **ADAMW)
+    return zero_lab.prepare(model, torch.optim.AdamW, param_dtype=PARAM_DTYPE, **ALL_ROWS[row], **ADAMW)
 
 
 def availability(row: str) -> str | None:
@@ -230,7 +239,7 @@ def measure(nds=(1, 2, 4), rows=tuple(ROWS), sizes=("S", "M"), fit_budget_mb: fl
 
 def _run(results, rows, sizes, fit_budget, timed_steps, family=(FIT_DEPTHS, FIT_WIDTHS)) -> Run:
     cuda = torch.cuda.is_available()
-    config = dict(rows={r: {k: str(v) for k, v in ROWS[r].items()} for r in rows},
+    config = dict(rows={r: {k: str(v) for k, v in ALL_ROWS[r].items()} for r in rows},
                   sizes={s: asdict(SIZES[s]) for s in sizes}, micro_batch=MICRO_BATCH, param_dtype=str(PARAM_DTYPE),
                   optimizer=f"AdamW {ADAMW}", fit_budget_bytes=fit_budget, fit_depths=family[0],
                   fit_widths=family[1], timed_steps=timed_steps, figures_of="rank 0")
@@ -414,7 +423,7 @@ def report(run: Run) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nd", type=int, nargs="+", default=[1, 2, 4], help="world sizes to launch (not under torchrun)")
-    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ALL_ROWS))
     parser.add_argument("--sizes", nargs="+", default=["S", "M"], choices=list(SIZES))
     parser.add_argument("--fit-budget-mb", type=float, default=None, help="per-rank budget (MiB) for the fit search")
     parser.add_argument("--fit-depths", type=int, nargs="+", default=list(FIT_DEPTHS), help="n_layer candidates")

@@ -214,3 +214,22 @@ def test_offload_options_that_do_not_fit_the_stage_are_refused_naming_the_fix():
     assert "only apply with offload=\"nvme\"" in dir_alone
     assert "ranks_per_node" in on_nodes
     assert "torch.optim.AdamW" in sgd
+
+
+def test_the_benchmark_row_measures_the_model_states_the_formula_gives():
+    import importlib.util
+    import sys
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "memory_vs_formula.py"
+    spec = importlib.util.spec_from_file_location("memory_vs_formula", path)
+    bench = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    row = "P_os+g+p, NVMe"
+    figures = launch(bench.run_rank, 2, (row,), ("S",), None, 0)[0][row]["sizes"]["S"]
+    formula, measured = figures["formula"], figures["model_states"]
+    assert formula["master_params"] == formula["optimizer_states"] == 0, "masters and moments are on the tier"
+    assert measured["master_params"] == measured["optimizer_states"] == 0
+    psi = figures["psi"]
+    assert formula["parameters"] == formula["gradients"] == 2 * psi / 2
+    for category in ("parameters", "gradients"):  # 16-bit shards, padded to a multiple of the ranks per unit
+        assert 0 <= measured[category] - formula[category] < 2 * 2 * 64, (category, measured, formula)
