@@ -89,13 +89,14 @@ def formula(row: str, psi: int, nd: int) -> dict:
 
     Offload (zero_lab.offload, lesson 06) keeps stage 2's partitioned states on the host and, as
     DeepSpeed's estimators count, an fp32 gradient shard there: 2Ψ on the device + 16Ψ/Nd on the host.
-    The NVMe rows (lesson 10) keep stage 3's 16-bit shards in memory, 4Ψ/Nd, and 12Ψ/Nd on the tier.
+    The NVMe rows (lesson 10) keep stage 3's 16-bit gradient shards in memory, 2Ψ/Nd, and the fp32
+    masters (the parameters' only copy) and moments on the tier, 12Ψ/Nd.
     """
     states = memory.model_states_per_device(psi, nd, ALL_ROWS[row]["stage"])
     if ALL_ROWS[row].get("offload") == "cpu":
         states["gradients"] = Fraction(4 * psi, nd)
-    if ALL_ROWS[row].get("offload") == "nvme":  # masters and moments, 12Ψ/Nd, are on the tier
-        states.update(master_params=Fraction(0), optimizer_states=Fraction(0))
+    if ALL_ROWS[row].get("offload") == "nvme":  # parameters (the masters) and moments, 12Ψ/Nd, on the tier
+        states.update(parameters=Fraction(0), master_params=Fraction(0), optimizer_states=Fraction(0))
     return states
 
 

@@ -37,19 +37,22 @@ def test_gpt_with_tied_frozen_and_grouped_parameters_trains_as_one_process(world
 
 
 def _accumulate_and_measure(options):
-    """Two micro-batches per step, a scheduler and clipping, on the MLP; the tier's bytes per step."""
+    """Two micro-batches per step, a scheduler and clipping, on the MLP; what the tier moved in the last step."""
     model, optimizer = prepare(MLP(SIZES, seed=0), torch.optim.AdamW, stage=3, **ADAMW, **options)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
-    tier = optimizer.tier
-    before = (tier.bytes_read, tier.bytes_written)
-    train(model, optimizer, mlp_batches(), mlp_loss, micro_steps=2, scheduler=scheduler, max_norm=0.5)
-    steps = len(mlp_batches())
-    moved = ((tier.bytes_read - before[0]) / steps, (tier.bytes_written - before[1]) / steps)
+    batches, tier = mlp_batches(), optimizer.tier
+    train(model, optimizer, batches[:-1], mlp_loss, micro_steps=2, scheduler=scheduler, max_norm=0.5)
+    before, optimizer.trace = (tier.bytes_read, tier.bytes_written), []
+    train(model, optimizer, batches[-1:], mlp_loss, micro_steps=2, scheduler=scheduler, max_norm=0.5)
+    shard_numel = {unit.name: unit.shard.numel() for unit in optimizer.units}
+    gathered = sum(shard_numel[name] for _, action, name, _ in optimizer.trace if action in ("gather", "prefetch"))
+    moved = (tier.bytes_read - before[0], tier.bytes_written - before[1])
     trained = sum(piece.master.numel() for unit in optimizer.units for piece in unit.slices)
-    rest = sum(unit.master.numel() for unit in optimizer.units) - trained
+    rest = sum(shard_numel.values()) - trained
     with optimizer.gathered_parameters():
         got = weights(model)
-    return got, moved, trained, rest, optimizer.tier_bytes(), tier.peak_held_bytes
+    held = model_state_bytes(model, optimizer).bytes
+    return got, moved, gathered, trained, rest, optimizer.tier_bytes(), held, tier.peak_held_bytes
 
 
 @pytest.mark.parametrize("world_size, chunk_numel, prefetch", [(2, 16, 1), (3, 7, 2)])
@@ -60,11 +63,15 @@ def test_accumulation_scheduler_and_clipping_match_one_process_and_the_bytes_mat
     results = launch(_accumulate_and_measure, world_size,
                      dict(offload="nvme", nvme_dir=tmp_path, nvme_chunk_numel=chunk_numel, prefetch=prefetch))
     assert_close([got for got, *_ in results], expected)
-    assert sum(trained for _, _, trained, *_ in results) == sum(p.numel() for p in MLP(SIZES).parameters())
-    for rank, (_, moved, trained, rest, tier_bytes, peak) in enumerate(results):
-        assert moved == (12 * trained, 12 * trained), f"rank {rank}: per step 12 B per trained element each way"
+    assert sum(trained for _, _, _, trained, *_ in results) == sum(p.numel() for p in MLP(SIZES).parameters())
+    for rank, (_, moved, gathered, trained, rest, tier_bytes, held, peak) in enumerate(results):
+        assert gathered >= trained + rest, f"rank {rank}: every unit is gathered at least once a step"
+        assert moved == (4 * gathered + 12 * trained, 12 * trained), \
+            f"rank {rank}: a step reads each gathered shard (4 B per element) and AdamW's 12 B per trained element"
         assert tier_bytes == 12 * trained + 4 * rest, f"rank {rank}: masters and moments, the padding's master"
-        assert peak <= (prefetch + 1) * 12 * chunk_numel, f"rank {rank}: host held {peak} B of chunks at once"
+        assert held["parameters"] == held["master_params"] == held["optimizer_states"] == 0, \
+            f"rank {rank}: between steps the parameters and states are on the tier only, memory holds {held}"
+        assert peak <= (prefetch + 1) * 12 * chunk_numel, f"rank {rank}: host held {peak} B of AdamW's chunks at once"
 
 
 def _resume(directory, checkpoint_dir, param_dtype, split):
@@ -227,9 +234,7 @@ def test_the_benchmark_row_measures_the_model_states_the_formula_gives():
     row = "P_os+g+p, NVMe"
     figures = launch(bench.run_rank, 2, (row,), ("S",), None, 0)[0][row]["sizes"]["S"]
     formula, measured = figures["formula"], figures["model_states"]
-    assert formula["master_params"] == formula["optimizer_states"] == 0, "masters and moments are on the tier"
-    assert measured["master_params"] == measured["optimizer_states"] == 0
-    psi = figures["psi"]
-    assert formula["parameters"] == formula["gradients"] == 2 * psi / 2
-    for category in ("parameters", "gradients"):  # 16-bit shards, padded to a multiple of the ranks per unit
-        assert 0 <= measured[category] - formula[category] < 2 * 2 * 64, (category, measured, formula)
+    for category in ("parameters", "master_params", "optimizer_states"):  # on the tier
+        assert formula[category] == measured[category] == 0, (category, measured, formula)
+    # the 16-bit gradient shards, padded to a multiple of the ranks per unit
+    assert 0 <= measured["gradients"] - formula["gradients"] < 2 * 64 and formula["gradients"] == figures["psi"]

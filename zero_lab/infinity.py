@@ -6,7 +6,7 @@ TokenBucket       a device of a given bandwidth: every transfer waits its bytes 
 NvmeTier          named flat fp32 tensors in files, each read and write charged to a TokenBucket
 tier_adamw_step   AdamW over master, exp_avg, exp_avg_sq kept on the tier, streamed chunk by chunk,
                   the next chunks' reads running while the current chunk is updated (§5, §6.2)
-Zero3Infinity     stage 3 with those states on the tier: prepare(..., stage=3, offload="nvme")
+Zero3Infinity     stage 3 with its shards and those states on the tier: prepare(..., stage=3, offload="nvme")
 No real SSD is timed: the OS page cache would hide its speed; the bucket's bandwidth is the model.
 """
 import ctypes
@@ -19,6 +19,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ import torch
 from zero_lab.cpu_adam import cpu_adam_
 from zero_lab.launcher import remove_when_rank_ends
 from zero_lab.zero1 import MASTER_DTYPE, clip_grad_norm_
-from zero_lab.zero3 import Zero3Optimizer
+from zero_lab.zero3 import UnitSchedule, Zero3Optimizer
 
 
 class TokenBucket:
@@ -92,14 +93,24 @@ class NvmeTier:
 
     def read(self, name: str, start: int = 0, numel: int | None = None) -> torch.Tensor:
         """Elements [start, start + numel) of tensor `name` (all of it by default), a new CPU fp32 tensor."""
+        data = self._read_bytes(name, start, numel, held=True)
+        return torch.frombuffer(data, dtype=torch.float32) if data else torch.empty(0)
+
+    def read_into(self, name: str, out: torch.Tensor, start: int = 0) -> None:
+        """Copy elements [start, start + out.numel()) of `name` into `out` (any dtype): nothing is left held."""
+        data = self._read_bytes(name, start, out.numel(), held=False)
+        if data:
+            out.copy_(torch.frombuffer(data, dtype=torch.float32))
+
+    def _read_bytes(self, name: str, start: int, numel: int | None, held: bool) -> bytearray:
         if name not in self.numels:
             raise KeyError(f"no tensor {name!r} on the tier; it holds {sorted(self.numels)}")
         numel = self.numels[name] - start if numel is None else numel
         with open(self.path(name), "rb") as file:
             file.seek(4 * start)
             data = bytearray(file.read(4 * numel))
-        self.count(len(data), read=True, held=len(data))
-        return torch.frombuffer(data, dtype=torch.float32) if data else torch.empty(0)
+        self.count(len(data), read=True, held=len(data) if held else 0)
+        return data
 
     def write(self, name: str, tensor: torch.Tensor, start: int | None = None) -> None:
         """start=None: tensor becomes `name` (atomically: a temporary file, then os.replace).
@@ -185,15 +196,16 @@ def tier_adamw_step(tier: NvmeTier, names: list[str], grads: list[torch.Tensor],
 
 
 class Zero3Infinity(Zero3Optimizer):
-    """ZeRO stage 3 with AdamW's states on a SIMULATED NVMe tier (ZeRO-Infinity's optimizer offload):
+    """ZeRO stage 3 with the parameters and AdamW's states on a SIMULATED NVMe tier (ZeRO-Infinity):
     zero_lab.prepare(model, torch.optim.AdamW, stage=3, offload="nvme", nvme_dir=..., ...) builds it.
 
     Every trainable parameter's slice of this rank's shard keeps its fp32 master, exp_avg and exp_avg_sq
-    on the tier (12 bytes per element; 4 for the rest of the shard). step() streams them through
-    tier_adamw_step, chunk_numel elements at a time, `prefetch` chunks read ahead, and copies each updated
-    master chunk into the shard the model computes with. Memory keeps the compute shards, the gradient
-    shards and a few chunks; with param_dtype=torch.bfloat16 the fp32 masters live on the tier only
-    (checkpoints, state dicts and model.load_state_dict read them back, one rank's shard at a time).
+    on the tier (12 bytes per element; 4 for the rest of the shard): the masters are the parameters'
+    only copy. A gather reads the unit's shard from the tier first (TierSchedule: in the background when
+    prefetched), a release drops it. step() streams the states through tier_adamw_step, nvme_chunk_numel
+    elements at a time, `prefetch` chunks read ahead. Memory keeps the gradient shards, the units in
+    flight and a few chunks; checkpoints, state dicts and model.load_state_dict read the states back,
+    one rank's shard at a time.
 
     nvme_dir        where the tier makes its directory (default: the system's temporary directory)
     nvme_bandwidth  bytes/s charged to every transfer of the tier (None: as fast as the files go)
@@ -211,6 +223,7 @@ class Zero3Infinity(Zero3Optimizer):
         for flag in ("amsgrad", "maximize"):
             if options.get(flag):
                 raise ValueError(f"{flag}=True is not streamed from the tier: leave it False")
+        self.schedule_class = TierSchedule
         super().__init__(model, optimizer_class, params, **options)
         self.chunk_numel, self.read_ahead = nvme_chunk_numel, self.schedule.prefetch
         self.group_of = {p: i for i, group in enumerate(self.param_groups) for p in group["params"]}
@@ -227,10 +240,12 @@ class Zero3Infinity(Zero3Optimizer):
                            [piece.master for _, piece in self.pieces[unit]])
                 for name, start, numel in self.rest[unit]:
                     self.tier.write(f"{name}.master", unit.master[start:start + numel])
-                self._release_master(unit)
+                for tensor in {id(unit.master): unit.master, id(unit.shard): unit.shard}.values():
+                    tensor.untyped_storage().resize_(0)  # on the tier from now on
         except BaseException:
             self.close()
             raise
+        self.schedule.load = self._load_shard
 
     def _check_space(self, directory, quota) -> None:
         """Refuse before writing anything: a quota or a disk too small for this rank's states."""
@@ -247,26 +262,35 @@ class Zero3Infinity(Zero3Optimizer):
     def close(self) -> None:
         """Remove the tier's files (every rank calls it when training ends; at exit it happens anyway)."""
         if hasattr(self, "tier"):  # not if __init__ failed before making it
+            self.schedule.reader.shutdown()
             self.tier.close()
 
-    def _release_master(self, unit) -> None:
-        if unit.master is not unit.shard:  # mixed precision: the fp32 master is on the tier only
-            unit.master.untyped_storage().resize_(0)
+    def _load_shard(self, unit) -> None:
+        """Read the unit's shard from the tier into unit.shard (the schedule's loader: runs in its reader thread)."""
+        _resize(unit.shard)
+        for name, start, numel in self._segments(unit):
+            self.tier.read_into(f"{name}.master", unit.shard[start:start + numel])
 
     @contextmanager
     def _states_in_memory(self, units=None, moments=False, write_back=False):
-        """Inside: units' fp32 masters (and with moments, AdamW's exp_avg, exp_avg_sq) in memory, as stage 3
-        keeps them; on exit with write_back the tier gets what they hold. Then memory holds steps only."""
-        units = self.units if units is None else units
+        """Inside: units' fp32 masters and shards (and with moments, AdamW's exp_avg, exp_avg_sq) in memory, as
+        stage 3 keeps them; on exit with write_back the tier gets what they hold. Then memory drops what it read."""
+        units, loaded = self.units if units is None else units, []
         for unit in units:
-            if unit.master is not unit.shard:
-                unit.master.untyped_storage().resize_(4 * unit.master.numel())
+            if unit.master.untyped_storage().nbytes() == 0:  # on the tier only (a unit in flight has it)
+                loaded.append(unit)
+                _resize(unit.master)
                 for name, start, numel in self._segments(unit):
-                    unit.master[start:start + numel] = self.tier.read(f"{name}.master")
+                    self.tier.read_into(f"{name}.master", unit.master[start:start + numel])
+                if unit.shard is not unit.master:
+                    _resize(unit.shard)
+                    unit.shard.copy_(unit.master)
             for name, piece in self.pieces[unit] if moments else ():
                 state = self.optimizer.state.get(piece.master)
                 if state:
-                    state.update((key, self.tier.read(f"{name}.{key}")) for key in STATES[1:])
+                    for key in STATES[1:]:
+                        state[key] = torch.empty_like(piece.master)
+                        self.tier.read_into(f"{name}.{key}", state[key])
         try:
             yield
         finally:
@@ -281,7 +305,9 @@ class Zero3Infinity(Zero3Optimizer):
                             self.tier.write(f"{name}.{key}", state.get(key, torch.zeros_like(piece.master)))
                     for key in STATES[1:] if moments else ():
                         state.pop(key, None)
-                self._release_master(unit)
+            for unit in loaded:
+                for tensor in {id(unit.master): unit.master, id(unit.shard): unit.shard}.values():
+                    tensor.untyped_storage().resize_(0)
 
     def _segments(self, unit):
         """(tier name, start, numel): where each part of the unit's shard is kept on the tier."""
@@ -307,10 +333,12 @@ class Zero3Infinity(Zero3Optimizer):
                     names.append(name)
                     grads.append(grad[piece.shard_offset:piece.shard_offset + piece.master.numel()])
         shard_of = {name: unit.shard[piece.shard_offset:piece.shard_offset + piece.master.numel()]
-                    for unit in trained for name, piece in self.pieces[unit]}
+                    for unit in trained for name, piece in self.pieces[unit]
+                    if unit.shard.untyped_storage().nbytes() and unit.shard is not unit.master}
 
-        def refresh(name, start, master):  # the compute shard follows its fp32 master, chunk by chunk
-            shard_of[name][start:start + master.numel()].copy_(master)
+        def refresh(name, start, master):  # a shard in memory (a unit in flight) follows its fp32 master
+            if name in shard_of:
+                shard_of[name][start:start + master.numel()].copy_(master)
 
         for (index, step), (names, grads) in batches.items():
             group = self.param_groups[index]
@@ -356,3 +384,42 @@ def _uncovered(unit) -> list[tuple[int, int]]:
             gaps.append((at, start - at))
         at = max(at, start + numel)
     return gaps
+
+def _resize(tensor: torch.Tensor) -> None:
+    """Give a tensor whose storage was freed (resized to 0) its bytes back."""
+    tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+
+
+class TierSchedule(UnitSchedule):
+    """Stage 3's schedule with the shards on the tier: load(unit) reads a shard before its all-gather (in
+    a one-thread pool when prefetched, overlapping the current unit's compute) and release drops it again,
+    so memory holds the shards of the units in flight only."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvme-params")
+        self.load = None  # load(unit) fills unit.shard from the tier (Zero3Infinity sets it)
+
+    def all_gather(self, unit, phase, async_op=False):
+        if not async_op:
+            self.load(unit)
+            return super().all_gather(unit, phase)
+        _resize(unit.flat)  # in flight from now on (is_gathered), as an all-gather started now would be
+        return ReadThenGather(self.reader.submit(self.load, unit), partial(super().all_gather, unit, phase))
+
+    def release(self, unit, phase) -> None:
+        super().release(unit, phase)
+        unit.shard.untyped_storage().resize_(0)
+
+
+class ReadThenGather:
+    """A prefetch's handle: the shard's read runs in the background; wait() ends it, then all-gathers (every rank
+    waits on its prefetches in the same order, so the all-gathers still match)."""
+
+    def __init__(self, read, gather):
+        self.read, self.gather = read, gather
+
+    def wait(self) -> bool:
+        self.read.result()
+        self.gather()
+        return True
