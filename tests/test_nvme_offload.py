@@ -238,3 +238,38 @@ def test_the_benchmark_row_measures_the_model_states_the_formula_gives():
         assert formula[category] == measured[category] == 0, (category, measured, formula)
     # the 16-bit gradient shards, padded to a multiple of the ranks per unit
     assert 0 <= measured["gradients"] - formula["gradients"] < 2 * 64 and formula["gradients"] == figures["psi"]
+
+
+def _in_flight(prefetch):
+    import threading
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(5)))
+    model, optimizer = prepare(model, torch.optim.AdamW, stage=3, offload="nvme", prefetch=prefetch, lr=1e-3)
+    readers, resident = set(), []
+    read_into = optimizer.tier.read_into
+
+    def watched(name, out, start=0):
+        readers.add(threading.current_thread().name.split("_")[0])
+        return read_into(name, out, start)
+
+    class Trace(list):  # after every gather, prefetch and free: how many shards memory holds
+        def append(self, entry):
+            resident.append(sum(unit.shard.untyped_storage().nbytes() > 0 for unit in optimizer.units))
+            super().append(entry)
+
+    optimizer.tier.read_into = watched
+    for _ in range(2):  # the first step records the order, the second prefetches by it
+        readers.clear()
+        resident.clear()
+        optimizer.trace = Trace()
+        model(torch.randn(4, 8)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    optimizer.close()
+    return sorted(readers), max(resident), max(numel for *_, numel in optimizer.trace) // optimizer.units[0].flat.numel()
+
+
+def test_prefetched_shards_are_read_in_the_background_and_memory_holds_the_units_in_flight():
+    for prefetch, (readers, shards, gathered) in zip((0, 1, 2), launch(lambda: [_in_flight(k) for k in (0, 1, 2)], 2)[0]):
+        assert readers == (["MainThread", "nvme-params"] if prefetch else ["MainThread"]), (prefetch, readers)
+        assert shards <= prefetch + 1 and gathered == prefetch + 1, (prefetch, shards, gathered)
