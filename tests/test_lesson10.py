@@ -1,6 +1,6 @@
-"""Lesson 10: ZeRO-Infinity (part 1): the simulated NVMe tier and AdamW streamed from it; ZeRO-R (part 2):
-partitioned activation checkpoints, constant-size buffers, the allocator model of fragmentation; typical wrong
-answers fail their graded cells."""
+"""Lesson 10: ZeRO-Infinity (part 1): the simulated NVMe tier, AdamW streamed from it, memory-centric tiling;
+ZeRO-R (part 2): partitioned activation checkpoints, constant-size buffers, the allocator model of fragmentation;
+typical wrong answers fail their graded cells."""
 
 LESSON = "10_infinity"
 
@@ -15,7 +15,7 @@ import torch.nn as nn
 from graded_cells import assert_mutant_fails
 from zero_lab import launch
 from zero_lab.comm_ledger import CommLedger
-from zero_lab.infinity import NvmeTier, TokenBucket, put_states, tier_adamw_step
+from zero_lab.infinity import NvmeTier, TiledLinear, TokenBucket, put_states, tier_adamw_step
 from zero_lab.zero_r import (FirstFitAllocator, TensorParallelMLP, bucketed_all_reduce, checkpointed, fused_all_reduce,
                              residual_trace, saved_bytes)
 
@@ -158,6 +158,20 @@ MUTANTS = {
     "the next read submitted after the write-back (no overlap)": (SUBMIT_NEXT + UPDATE_CHUNK, UPDATE_CHUNK + SUBMIT_NEXT,
                                                                    "inf_tier_adamw"),
     "on_update never called": ("                on_update(name, start, master)\n", "                pass\n", "inf_tier_adamw"),
+    "the forward tile never freed (two alive at once)": (
+        "            del flat, weight, bias  # freed before the next tile is gathered\n", "", "inf_tiled_linear"),
+    "the backward tile never freed": ("            del flat, weight\n", "", "inf_tiled_linear"),
+    "the tiles kept for backward (no regather)": (
+        "            outputs.append(x @ weight.T + bias)\n",
+        "            outputs.append(x @ weight.T + bias)\n            ctx.tiles = [*getattr(ctx, 'tiles', []), flat]\n",
+        "inf_tiled_linear"),
+    "tile gradients summed, not averaged": ("grad_shards.append(grad_shard / layer.world_size)",
+                                            "grad_shards.append(grad_shard)", "inf_tiled_linear"),
+    "tile offsets assume equal tiles": ("grad_out[..., start:start + rows]", "grad_out[..., t * rows:(t + 1) * rows]",
+                                        "inf_tiled_linear"),
+    "output tiles concatenated in the wrong order": ("torch.cat(outputs, dim=-1)", "torch.cat(outputs[::-1], dim=-1)",
+                                                     "inf_tiled_linear"),
+    "no bias gradient": ("grad_tile.sum(0)", "torch.zeros(rows)", "inf_tiled_linear"),
 }
 
 
@@ -168,7 +182,7 @@ def test_typical_mistakes_fail_their_graded_cell(mutant):
 
 def test_hidden_tests_are_worth_points(graded):
     report = graded(LESSON, "solution")
-    assert report.total == (20, 20), report.scores
+    assert report.total == (24, 24), report.scores
     learner = graded(LESSON, "learner")
     assert all(s.earned == 0 and s.reason for s in learner.scores), learner.scores
 
@@ -267,3 +281,35 @@ def test_the_throttled_tier_takes_bytes_over_bandwidth(tmp_path):
         tier.read("w")
         took = time.perf_counter() - start
     assert 0.09 <= took <= 0.5, took
+
+
+def tiled_steps(tiles, steps):
+    """SGD steps of a TiledLinear on this rank's half of each batch; returns the layer's shards and its peak."""
+    torch.manual_seed(0)
+    layer = TiledLinear(nn.Linear(6, 10), tiles)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    for step in range(steps):
+        x = torch.randn(dist.get_world_size(), 3, 6, generator=torch.Generator().manual_seed(step))[dist.get_rank()]
+        layer(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return [shard.detach().clone() for shard in layer.shards], layer.gathered.peak
+
+
+@pytest.mark.parametrize("world_size, tiles", [(2, 3), (3, 4)])
+def test_tiled_linear_trains_like_the_untiled_layer_with_one_tile_gathered(world_size, tiles):
+    torch.manual_seed(0)
+    reference = nn.Linear(6, 10)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(world_size, 3, 6, generator=torch.Generator().manual_seed(step))
+        reference(x).pow(2).mean(dim=(1, 2)).mean().backward()  # the mean over ranks of each rank's mean loss
+        optimizer.step()
+        optimizer.zero_grad()
+    rows = torch.arange(10).tensor_split(tiles)
+    for rank, (shards, peak) in enumerate(launch(tiled_steps, world_size, tiles, 3, timeout=60)):
+        for tile, shard in zip(rows, shards):
+            flat = torch.cat([reference.weight[tile].reshape(-1), reference.bias[tile]]).detach()
+            padded = torch.cat([flat, torch.zeros(shard.numel() * world_size - flat.numel())])
+            torch.testing.assert_close(shard, padded.view(world_size, -1)[rank], atol=1e-5, rtol=1e-4)
+        assert peak == 4 * world_size * max(-(-len(tile) * 7 // world_size) for tile in rows)  # one tile, padded
