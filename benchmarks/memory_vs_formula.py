@@ -60,10 +60,9 @@ ROWS = {  # label -> zero_lab.prepare keyword arguments
     "P_os+g+p": dict(stage=3),
     "P_os+g, offload": dict(stage=2, offload="cpu"),
 }
-NVME_ROWS = {  # lesson 10: ZeRO-Infinity's optimizer states on a simulated NVMe tier (files, not memory)
+NVME_ROWS = {  # lesson 10: ZeRO-Infinity, parameters and optimizer states on a simulated NVMe tier (files)
     "P_os+g+p, NVMe": dict(stage=3, offload="nvme"),
 }
-ALL_ROWS = {**ROWS, **NVME_ROWS}
 SIZES = {  # the course GPT at three sizes (n_head 4, vocabulary 256, 64 tokens)
     "S": GPTConfig(vocab_size=256, n_layer=2, n_head=4, n_embd=64, block_size=64),
     "M": GPTConfig(vocab_size=256, n_layer=4, n_head=4, n_embd=128, block_size=64),
@@ -80,6 +79,11 @@ CPU_MEASUREMENT = ("CPU: memory ledger (tensor bytes by category), saved-tensor 
 CUDA_MEASUREMENT = "CUDA allocator: memory_allocated, max_memory_allocated/reserved, inactive_split_bytes, mem_get_info"
 
 
+def row_options(row: str) -> dict:
+    """prepare's keyword arguments for a row of ROWS or NVME_ROWS (looked up at call time: tests patch ROWS)."""
+    return {**ROWS, **NVME_ROWS}[row]
+
+
 def fit_config(depth: int, width: int) -> GPTConfig:
     return GPTConfig(vocab_size=256, n_layer=depth, n_head=4, n_embd=width, block_size=64)
 
@@ -92,10 +96,10 @@ def formula(row: str, psi: int, nd: int) -> dict:
     The NVMe rows (lesson 10) keep stage 3's 16-bit gradient shards in memory, 2Ψ/Nd, and the fp32
     masters (the parameters' only copy) and moments on the tier, 12Ψ/Nd.
     """
-    states = memory.model_states_per_device(psi, nd, ALL_ROWS[row]["stage"])
-    if ALL_ROWS[row].get("offload") == "cpu":
+    states = memory.model_states_per_device(psi, nd, row_options(row)["stage"])
+    if row_options(row).get("offload") == "cpu":
         states["gradients"] = Fraction(4 * psi, nd)
-    if ALL_ROWS[row].get("offload") == "nvme":  # parameters (the masters) and moments, 12Ψ/Nd, on the tier
+    if row_options(row).get("offload") == "nvme":  # parameters (the masters) and moments, 12Ψ/Nd, on the tier
         states.update(parameters=Fraction(0), master_params=Fraction(0), optimizer_states=Fraction(0))
     return states
 
@@ -104,14 +108,14 @@ def predicted_fit(row: str, budget: int, nd: int, device_only: bool) -> int:
     """The largest Ψ whose formula bytes fit the budget. device_only (a GPU): offload counts its
     2Ψ on the device; on CPU the simulated device and the host share one memory: every byte counts."""
     per_param = formula(row, 1, nd)
-    per_param = per_param["parameters"] if device_only and ALL_ROWS[row].get("offload") == "cpu" \
+    per_param = per_param["parameters"] if device_only and row_options(row).get("offload") == "cpu" \
         else sum(per_param.values())
     return math.floor(Fraction(budget) / per_param)
 
 
 def comm_formula(row: str, psi: int, nd: int) -> Fraction:
     """Bytes a rank sends per step: 2Ψ (3Ψ for stage 3) bf16 elements, exact ring factor (Nd-1)/Nd."""
-    return 2 * memory.communication_volume(psi, ALL_ROWS[row]["stage"], nd)
+    return 2 * memory.communication_volume(psi, row_options(row)["stage"], nd)
 
 
 # --- one configuration on this rank ---------------------------------------------------------------
@@ -121,7 +125,7 @@ def _device() -> torch.device:
 
 
 def _prepare(row: str, model):
-    return zero_lab.prepare(model, torch.optim.AdamW, param_dtype=PARAM_DTYPE, **ALL_ROWS[row], **ADAMW)
+    return zero_lab.prepare(model, torch.optim.AdamW, param_dtype=PARAM_DTYPE, **row_options(row), **ADAMW)
 
 
 def availability(row: str) -> str | None:
@@ -240,7 +244,7 @@ def measure(nds=(1, 2, 4), rows=tuple(ROWS), sizes=("S", "M"), fit_budget_mb: fl
 
 def _run(results, rows, sizes, fit_budget, timed_steps, family=(FIT_DEPTHS, FIT_WIDTHS)) -> Run:
     cuda = torch.cuda.is_available()
-    config = dict(rows={r: {k: str(v) for k, v in ALL_ROWS[r].items()} for r in rows},
+    config = dict(rows={r: {k: str(v) for k, v in row_options(r).items()} for r in rows},
                   sizes={s: asdict(SIZES[s]) for s in sizes}, micro_batch=MICRO_BATCH, param_dtype=str(PARAM_DTYPE),
                   optimizer=f"AdamW {ADAMW}", fit_budget_bytes=fit_budget, fit_depths=family[0],
                   fit_widths=family[1], timed_steps=timed_steps, figures_of="rank 0")
@@ -424,7 +428,7 @@ def report(run: Run) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nd", type=int, nargs="+", default=[1, 2, 4], help="world sizes to launch (not under torchrun)")
-    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ALL_ROWS))
+    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=[*ROWS, *NVME_ROWS])
     parser.add_argument("--sizes", nargs="+", default=["S", "M"], choices=list(SIZES))
     parser.add_argument("--fit-budget-mb", type=float, default=None, help="per-rank budget (MiB) for the fit search")
     parser.add_argument("--fit-depths", type=int, nargs="+", default=list(FIT_DEPTHS), help="n_layer candidates")
