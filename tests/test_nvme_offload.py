@@ -29,6 +29,9 @@ def test_gpt_with_tied_frozen_and_grouped_parameters_trains_as_one_process(world
     results = launch(gpt_with_groups, world_size, 3, offload="nvme", nvme_dir=tmp_path, nvme_chunk_numel=37,
                      timeout=120)
     assert_close([got for got, _, _ in results], expected, atol=1e-4, rtol=1e-4)  # atol: see test_lesson03
+    in_memory = launch(gpt_with_groups, world_size, 3, timeout=120)
+    for (got, _, _), (plain, _, _) in zip(results, in_memory):
+        assert all(torch.equal(got[name], plain[name]) for name in plain), "not bit for bit stage 3 in memory"
     for got, tied, held in results:
         assert tied, "the LM head must still share the embedding's tensor"
         assert torch.equal(got["transformer.wpe.weight"], frozen_before), "a frozen parameter moved"
