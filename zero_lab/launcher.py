@@ -20,7 +20,8 @@ No process outlives `launch`: each rank runs in its own session, and every path 
 SIGKILL to each rank's process group (so processes a rank started with subprocess or os.fork
 go too) and a reap, even when Ctrl-C is pressed twice. Ranks also die with their parent
 (PR_SET_PDEATHSIG) if the caller itself is killed; the rendezvous directory such a killed
-caller leaves behind is removed by the next `launch`.
+caller leaves behind is removed by the next `launch`. Directories a rank makes for its own use
+(an NVMe tier's files) go with the ranks too: `remove_when_rank_ends(path)`.
 
 Under `torchrun`, call `init_distributed()` instead: it reads torchrun's environment.
 """
@@ -62,6 +63,7 @@ DEFAULT_TIMEOUT = 120.0
 PROCESS_GROUP_TIMEOUT_MARGIN = 60.0
 FAILURE_GRACE = 5.0  # seconds to wait for the rank that broke the connections, once a peer reports it
 RENDEZVOUS_PREFIX = "zero_lab_rendezvous_"
+REMOVALS = "remove-when-ranks-end"  # in a rendezvous directory: paths its ranks made, removed with it
 # How a rank reports that a peer went away: its error is a consequence, not the cause.
 TRANSPORT_ERROR = re.compile(r"Connection (reset|closed) by peer|Broken pipe|gloo/transport|DistNetworkError"
                              r"|NCCL communicator was aborted|ncclRemoteError")
@@ -133,7 +135,7 @@ def _rank_main(fn, args, kwargs, rank, world_size, store_file, conn, stack_file,
     global _in_rank, _removals_file
     if restore:
         restore_as_imported()
-    _in_rank, _removals_file = True, os.path.join(os.path.dirname(store_file), "remove-when-ranks-end")
+    _in_rank, _removals_file = True, os.path.join(os.path.dirname(store_file), REMOVALS)
     _die_with_parent()
     os.setsid()  # a process group of its own: launch kills whatever this rank starts along with it
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the parent while it forked
@@ -338,7 +340,7 @@ def _clean_up(procs, closables, store_dir) -> None:
                     proc.join()
                 for item in closables:
                     item.close()
-                _remove_listed(os.path.join(store_dir, "remove-when-ranks-end"))
+                _remove_listed(os.path.join(store_dir, REMOVALS))
                 shutil.rmtree(store_dir, ignore_errors=True)
             break
         except KeyboardInterrupt as interrupt:  # delivered just before SIGINT was blocked
@@ -386,6 +388,7 @@ def _remove_stale_rendezvous_dirs() -> None:
     for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{RENDEZVOUS_PREFIX}*_*")):
         owner = os.path.basename(path)[len(RENDEZVOUS_PREFIX):].split("_")[0]
         if owner.isdigit() and not _process_exists(int(owner)):
+            _remove_listed(os.path.join(path, REMOVALS))  # what its ranks asked to have removed, too
             shutil.rmtree(path, ignore_errors=True)
 
 
