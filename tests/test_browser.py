@@ -48,7 +48,9 @@ def wait_for(predicate, timeout, what):
     return value
 
 
-NOTEBOOK = "const panel = window.jupyterapp.shell.currentWidget; "
+# The open notebook: the current widget, or (a headless window without focus has none) the main area's first.
+NOTEBOOK = ("const shell = window.jupyterapp.shell; "
+            "const panel = shell.currentWidget || Array.from(shell.widgets('main'))[0]; ")
 STATE = "if (!window.jupyterapp) return null; " + NOTEBOOK + """
     if (!panel || !panel.content || !panel.sessionContext.session) return null;
     const cells = Array.from(panel.content.model.cells).filter(c => c.type === 'code');
@@ -81,7 +83,9 @@ def test_run_all_in_the_learners_copy_of_lesson_00(repo_copy, browser, tmp_path)
         assert not state["dirty"], "the committed notebook shows as modified when opened"
         assert state["path"] == "work/00_collectives/00_collectives.ipynb"
         browser.save_screenshot(str(tmp_path / "opened.png"))
-        browser.execute_script("window.jupyterapp.commands.execute('notebook:run-all-cells');")
+        # activate it first: Run All acts on the notebook that has focus
+        browser.execute_script(NOTEBOOK + "shell.activateById(panel.id); "
+                               "window.jupyterapp.commands.execute('notebook:run-all-cells');")
         state = wait_for(lambda: (s := browser.execute_script(STATE)) and None not in s["counts"]
                          and s["status"] == "idle" and s, RUN_ALL_TIMEOUT, "Run All reaching the last cell")
         browser.execute_script(NOTEBOOK + "panel.content.activeCellIndex = panel.content.widgets.length - 1;"
