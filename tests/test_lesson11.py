@@ -364,10 +364,18 @@ MUTANTS = {
 }
 
 
+# A mutant that deadlocks fails at the launcher's timeout: the cells give 20 s, the ranks of a
+# right answer finish within a second or two, so the mutants get a shorter one.
+MUTANT_LAUNCH_TIMEOUT = 8
+
+
 @pytest.mark.parametrize("mutant", list(MUTANTS))
-def test_typical_wrong_answers_lose_points(mutant):
+def test_typical_wrong_answers_lose_points(mutant, monkeypatch):
     test_id, old, new = MUTANTS[mutant]
     namespace, tests = _notebook_namespace(old, new)
+    launch_restored = zero_lab.launch_restored
+    monkeypatch.setattr(zero_lab, "launch_restored", lambda *args, timeout, **kwargs: launch_restored(
+        *args, timeout=min(timeout, MUTANT_LAUNCH_TIMEOUT), **kwargs))
     with pytest.raises((AssertionError, zero_lab.RankFailed, zero_lab.RanksHung)):
         exec(tests[test_id], namespace)
 

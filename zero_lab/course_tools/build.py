@@ -24,8 +24,8 @@ from nbgrader.preprocessors import NbGraderPreprocessor
 from zero_lab import stages
 from zero_lab.course_tools import questions, where
 from zero_lab.course_tools.export import (COURSE_DIR, GENERATED_PREFIX, PACKAGE_DIR, REPO, SOLUTION_MARKERS, SOURCE_DIR,
-                                          BuildError, Directive, is_generated, module_sources, notebook_text,
-                                          parse_directive, read_notebook)
+                                          BuildError, Directive, has_region, is_generated, module_sources,
+                                          notebook_text, parse_directive, read_notebook, source_notebook)
 
 CONFIG_NAME = "nbgrader_config.py"
 FIX = "run `zero-lab build`"
@@ -38,10 +38,6 @@ HIDDEN_MARKERS = ("BEGIN HIDDEN TESTS", "END HIDDEN TESTS")
 # What nbgrader puts in place of a solution region: never a sign of a leak.
 STUB_LINES = {"# YOUR CODE HERE", "raise NotImplementedError()"}
 MIN_LEAK_LINE = 8  # shorter region lines ("pass", "else:") say nothing about a leak
-
-
-def has_region(source: str, markers: tuple[str, str]) -> bool:
-    return any(markers[0] in line for line in source.splitlines())
 
 
 def region_lines(source: str, markers: tuple[str, str]) -> list[str]:
@@ -150,10 +146,6 @@ def annotate(nb: nbformat.NotebookNode, where: str) -> nbformat.NotebookNode:
         seen[grade_id] = index
         cell.metadata.nbgrader = meta
     return nb
-
-
-def source_notebook(repo: Path, lesson: str) -> Path:
-    return repo / SOURCE_DIR / lesson / f"{lesson}.ipynb"
 
 
 def find_lessons(repo: Path, names: list[str] | None = None) -> list[str]:

@@ -10,9 +10,11 @@ described in docs/authoring.md:
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = Path(__file__).resolve().parents[1]
@@ -58,15 +60,49 @@ def parse_directive(source: str, where: str) -> Directive | None:
     raise BuildError(f"{where}: unknown directive {first_line!r}; known: {', '.join(usage.values())}")
 
 
+def has_region(source: str, markers: tuple[str, str]) -> bool:
+    return any(markers[0] in line for line in source.splitlines())
+
+
+def is_demo(cell) -> bool:
+    """A cell no test needs: tagged `demo`, or an interview answer (`seed:<id>`, `q:<id>`)."""
+    tags = cell.metadata.get("tags", [])
+    return cell.cell_type == "code" and any(t == "demo" or t.startswith(("seed:", "q:")) for t in tags)
+
+
 def is_generated(module_file: Path) -> bool:
     with open(module_file) as f:
         return f.readline().startswith(GENERATED_PREFIX)
+
+
+def exporting_lesson(module_file: Path) -> str | None:
+    """The lesson whose notebook generated this module of zero_lab (None: a hand-written one)."""
+    with open(module_file) as f:
+        first_line = f.readline()
+    if not first_line.startswith(GENERATED_PREFIX):
+        return None
+    return Path(first_line[len(GENERATED_PREFIX):].split()[0]).parent.name
+
+
+def source_notebook(repo: Path, lesson: str) -> Path:
+    return repo / SOURCE_DIR / lesson / f"{lesson}.ipynb"
 
 
 def read_notebook(path: Path):
     import nbformat  # here, not at the top: `import zero_lab` needs this module, not nbformat
 
     return nbformat.read(path, as_version=4)
+
+
+def read_cells(path: Path) -> list[SimpleNamespace]:
+    """The cells (cell_type, source, metadata) of a notebook the build wrote, read as plain JSON:
+    each grading kernel reads its lesson's source at start-up, and importing nbformat there would
+    cost it about 2 s of CPU (jsonschema's format checkers)."""
+    with open(path) as f:
+        cells = json.load(f)["cells"]
+    return [SimpleNamespace(cell_type=c["cell_type"], metadata=c.get("metadata", {}),
+                            source=c["source"] if isinstance(c["source"], str) else "".join(c["source"]))
+            for c in cells]
 
 
 def notebook_text(nb) -> str:

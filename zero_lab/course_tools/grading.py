@@ -32,6 +32,7 @@ from nbgrader.api import Gradebook
 from traitlets.config.loader import PyFileConfigLoader
 
 from zero_lab.course_tools import build, grading_kernel
+from zero_lab.course_tools.export import is_demo
 from zero_lab.course_tools.implementation import REPO
 
 STUDENT = "learner"
@@ -113,12 +114,6 @@ def reason(error: dict | None, earned: float, possible: float) -> str:
     if name == "AssertionError":
         return f"AssertionError: {first_line(value)}" if first_line(value) else "AssertionError (a check failed)"
     return f"{name}: {first_line(value)}"
-
-
-def is_demo(cell) -> bool:
-    """A cell no test needs: tagged `demo`, or an interview answer (`seed:<id>`, `q:<id>`)."""
-    tags = cell.metadata.get("tags", [])
-    return cell.cell_type == "code" and any(t == "demo" or t.startswith(("seed:", "q:")) for t in tags)
 
 
 def drop_demo_cells(notebook: Path) -> None:

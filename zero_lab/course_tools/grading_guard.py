@@ -38,8 +38,9 @@ import types
 from pathlib import Path
 
 from zero_lab import launcher
-from zero_lab.course_tools import build
-from zero_lab.course_tools.release import exporting_lesson
+# Not build, grading or nbformat: each grading kernel imports this module at start-up.
+from zero_lab.course_tools.export import (SOLUTION_MARKERS, SOURCE_DIR, Directive, exporting_lesson, has_region, is_demo,
+                                          parse_directive, read_cells, source_notebook)
 from zero_lab.course_tools.implementation import PACKAGE, REPO
 
 TEST_CELL = re.compile(r"\s*#\|\s*test\s")
@@ -81,11 +82,11 @@ class NotebookModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def directives(nb, kind: str) -> list[tuple[object, build.Directive]]:
+def directives(cells, kind: str) -> list[tuple[object, Directive]]:
     found = []
-    for index, cell in enumerate(nb.cells):
+    for index, cell in enumerate(cells):
         if cell.cell_type == "code":
-            directive = build.parse_directive(cell.source, f"cell {index}")
+            directive = parse_directive(cell.source, f"cell {index}")
             if directive and directive.kind == kind:
                 found.append((cell, directive))
     return found
@@ -98,23 +99,21 @@ def parsed(source: str) -> ast.Module:
         return ast.Module(body=[], type_ignores=[])
 
 
-def exercises(nb) -> set[str]:
+def exercises(cells) -> set[str]:
     """The defs and classes of the cells holding a solution region: what learners write."""
     names = set()
-    for cell in nb.cells:
-        if cell.cell_type == "code" and build.has_region(cell.source, build.SOLUTION_MARKERS):
+    for cell in cells:
+        if cell.cell_type == "code" and has_region(cell.source, SOLUTION_MARKERS):
             names.update(node.name for node in parsed(cell.source).body
                          if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)))
     return names
 
 
-def lesson_imports(nb, own_modules: set[str], exercise_names: set[str]) -> list[types.CodeType]:
+def lesson_imports(cells, own_modules: set[str], exercise_names: set[str]) -> list[types.CodeType]:
     """The import lines of the lesson's cells (not tests, not demos, not of its own modules),
     compiled: run before each test cell, they bind `dist`, `zero_lab`, ... to the real ones."""
-    from zero_lab.course_tools.grading import is_demo  # grading imports nbgrader's gradebook: only when grading
-
     statements = []  # one code object each: an import that fails leaves the others to run
-    for cell in nb.cells:
+    for cell in cells:
         if cell.cell_type != "code" or is_demo(cell) or TEST_CELL.match(cell.source):
             continue
         for node in parsed(cell.source).body:
@@ -195,14 +194,14 @@ class Guard:
     """The grading guard of one lesson in one kernel (see the module's docstring)."""
 
     def __init__(self, shell, lesson: str, source: Path):
-        nb = build.read_notebook(source)
+        cells = read_cells(source)
         self.shell, self.namespace = shell, shell.user_ns
-        self.modules = {f"zero_lab.{d.name}" for _, d in directives(nb, "export")}
-        self.exercises = exercises(nb)
-        self.imports = lesson_imports(nb, self.modules, self.exercises)
+        self.modules = {f"zero_lab.{d.name}" for _, d in directives(cells, "export")}
+        self.exercises = exercises(cells)
+        self.imports = lesson_imports(cells, self.modules, self.exercises)
         self.reference_files = {os.path.realpath(PACKAGE / f"{name.rpartition('.')[2]}.py") for name in self.modules}
         # The source notebooks of the graded course and of the repository zero_lab comes from.
-        self.solutions = tuple({os.path.realpath(folder) + os.sep for folder in (source.parents[1], REPO / build.SOURCE_DIR)})
+        self.solutions = tuple({os.path.realpath(folder) + os.sep for folder in (source.parents[1], REPO / SOURCE_DIR)})
         self.cells: dict[str, str] = {}  # file name IPython compiled a cell under -> its code
         self.files: dict[str, str] = {}  # any other file name -> where()
         self.test_definitions: dict[str, tuple] = {}  # name -> (object, its __code__ if a function)
@@ -397,7 +396,7 @@ class Guard:
 
 def install(shell, lesson: str, course_root: Path) -> Guard | None:
     """Guard the grading of `lesson` in this kernel (grading_kernel.py calls it at start-up)."""
-    source = build.source_notebook(course_root, lesson)
+    source = source_notebook(course_root, lesson)
     if not source.is_file():
         print(f"zero-lab grading: no source notebook {source}; the grading guard is off", file=sys.stderr)
         return None

@@ -14,21 +14,13 @@ import subprocess
 from pathlib import Path
 
 from zero_lab.course_tools import build
+from zero_lab.course_tools.export import exporting_lesson
 
 LEFT_OUT = (build.SOURCE_DIR + "/", "tests/", ".zero-lab/")
 
 
 class ReleaseError(Exception):
     pass
-
-
-def exporting_lesson(module_file: Path) -> str | None:
-    """The lesson whose notebook generated this module of zero_lab (None: a hand-written one)."""
-    with open(module_file) as f:
-        first_line = f.readline()
-    if not first_line.startswith(build.GENERATED_PREFIX):
-        return None
-    return Path(first_line[len(build.GENERATED_PREFIX):].split()[0]).parent.name
 
 
 def tracked_files(repo: Path) -> list[str]:
