@@ -179,7 +179,9 @@ def test_resume_is_the_same_as_never_stopping_and_consolidates():
 
 
 def _prepare_errors():
-    with pytest.raises(ValueError, match='offload must be "cpu"'):
+    with pytest.raises(ValueError, match='offload must be "cpu" .*"nvme" .*or None'):
+        prepare(MLP(SIZES), torch.optim.AdamW, stage=2, offload="disk", lr=1e-3)
+    with pytest.raises(ValueError, match='offload="nvme" is ZeRO-Infinity for stage 3 .*use stage=3'):
         prepare(MLP(SIZES), torch.optim.AdamW, stage=2, offload="nvme", lr=1e-3)
     with pytest.raises(TypeError, match="only apply with offload"):
         prepare(MLP(SIZES), torch.optim.AdamW, stage=2, dpu_warmup_steps=40, lr=1e-3)
@@ -187,7 +189,7 @@ def _prepare_errors():
         prepare(MLP(SIZES), torch.optim.AdamW, stage=0, offload="cpu", lr=1e-3)
     with pytest.raises(ValueError, match="dpu_warmup_steps"):
         prepare(MLP(SIZES), torch.optim.AdamW, stage=2, offload="cpu", dpu_warmup_steps=-1, lr=1e-3)
-    with pytest.raises(TypeError, match="offload works with stages 1 and 2 in this course .*lesson 06"):
+    with pytest.raises(ValueError, match='offload="cpu" is ZeRO-Offload for stages 1 and 2 .*offload="nvme"'):
         prepare(MLP(SIZES), torch.optim.AdamW, stage=3, offload="cpu", lr=1e-3)
     with pytest.raises(ValueError, match='cpu_adam must be "compiled"'):
         prepare(MLP(SIZES), torch.optim.AdamW, stage=2, offload="cpu", cpu_adam="fast", lr=1e-3)
