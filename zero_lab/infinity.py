@@ -205,6 +205,12 @@ def _resize(tensor: torch.Tensor) -> None:
     tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
 
 
+def _drop(unit) -> None:
+    """Free the memory of the unit's fp32 master and compute shard (one tensor in fp32): the tier keeps them."""
+    for tensor in {id(unit.master): unit.master, id(unit.shard): unit.shard}.values():
+        tensor.untyped_storage().resize_(0)
+
+
 class TierSchedule(UnitSchedule):
     """Stage 3's schedule with the shards on the tier: load(unit) reads a shard before its all-gather (in
     a one-thread pool when prefetched, overlapping the current unit's compute) and release drops it again,
@@ -285,8 +291,7 @@ class Zero3Infinity(Zero3Optimizer):
                            [piece.master for _, piece in self.pieces[unit]])
                 for name, start, numel in self.rest[unit]:
                     self.tier.write(f"{name}.master", unit.master[start:start + numel])
-                for tensor in {id(unit.master): unit.master, id(unit.shard): unit.shard}.values():
-                    tensor.untyped_storage().resize_(0)  # on the tier from now on
+                _drop(unit)  # on the tier from now on
         except BaseException:
             self.close()
             raise
@@ -351,8 +356,7 @@ class Zero3Infinity(Zero3Optimizer):
                     for key in STATES[1:] if moments else ():
                         state.pop(key, None)
             for unit in loaded:
-                for tensor in {id(unit.master): unit.master, id(unit.shard): unit.shard}.values():
-                    tensor.untyped_storage().resize_(0)
+                _drop(unit)
 
     def _segments(self, unit):
         """(tier name, start, numel): where each part of the unit's shard is kept on the tier."""

@@ -93,10 +93,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.offload != "nvme" and any(v is not None for v in nvme.values()):
         parser.error("--nvme-dir and --nvme-bandwidth need --offload nvme")
     if args.offload:
-        row = STAGES[args.stage]
-        if not (row.nvme if args.offload == "nvme" else row.offload):
-            parser.error(f"--offload {args.offload} works with --stage "
-                         f"{' or '.join(str(s) for s, r in STAGES.items() if (r.nvme if args.offload == 'nvme' else r.offload))}")
+        offloading = [s for s, row in STAGES.items() if (row.nvme if args.offload == "nvme" else row.offload)]
+        if args.stage not in offloading:
+            parser.error(f"--offload {args.offload} works with --stage {' or '.join(map(str, offloading))}")
         options.update(offload=args.offload, **{k: v for k, v in nvme.items() if v is not None})
     if "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ:  # started by torchrun
         # torchrun stops the other ranks with SIGTERM when one fails: unwind, so that `finally` blocks run
