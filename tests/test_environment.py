@@ -1,5 +1,6 @@
-"""pip (pyproject.toml) and conda (environment.yml) users get the same pinned stack."""
+"""pip (pyproject.toml, constraints.txt) and conda (environment.yml) users get the same pinned stack."""
 
+import os
 import re
 from pathlib import Path
 
@@ -20,14 +21,23 @@ def _environment_pins():
     return set(re.findall(r"^\s+- (\S+==\S+)\s*$", pip_section, flags=re.M))
 
 
-def test_environment_yml_pins_exactly_what_pyproject_pins():
-    # The required and test dependencies; the deepspeed extra is optional and not in environment.yml.
-    assert _environment_pins() == _requirements("dependencies", "test")
+def _constraints():
+    lines = (ROOT / "constraints.txt").read_text().splitlines()
+    return {line.strip() for line in lines if line.strip() and not line.startswith("#")}
 
 
-def test_every_dependency_is_pinned():
-    requirements = _requirements("dependencies", "test", "deepspeed")
-    assert requirements and all("==" in req for req in requirements), requirements
+def test_environment_yml_pins_exactly_the_constraints():
+    assert _environment_pins() == _constraints()
+
+
+def test_pyproject_pins_the_constraints_and_torch_is_a_range_that_holds_its_pin():
+    # The required and test dependencies; the deepspeed extra is optional and not in the constraints.
+    requirements = _requirements("dependencies", "test")
+    torch_range = {req for req in requirements if req.startswith("torch")}
+    assert torch_range == {"torch>=2.11"}
+    assert requirements - torch_range == _constraints() - {"torch==2.13.0"}
+    assert "torch==2.13.0" in _constraints()
+    assert all("==" in req for req in _requirements("deepspeed"))
 
 
 def test_the_installed_versions_are_the_pinned_ones():
@@ -36,13 +46,14 @@ def test_the_installed_versions_are_the_pinned_ones():
     from importlib.metadata import PackageNotFoundError, version
 
     wrong = {}
-    for requirement in _requirements("dependencies", "test"):
+    for requirement in _constraints():
         name, pinned = requirement.split("==")
         name = name.split("[")[0]
         try:
             installed = version(name)
         except PackageNotFoundError:
             installed = "not installed"
-        if installed.split("+")[0] != pinned:
+        kept = name == "torch" and os.environ.get("ZERO_LAB_TORCH") == "installed"  # the machine's own, >= 2.11
+        if installed.split("+")[0] != pinned and not (kept and installed != "not installed"):
             wrong[name] = f"{installed} installed, {pinned} pinned"
     assert not wrong, f"{wrong}: run `./quickstart` again (it reinstalls when pyproject.toml changed) or delete .venv"

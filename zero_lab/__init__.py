@@ -27,6 +27,7 @@ if implementation.in_notebook():  # in Jupyter: an unfinished exercise says so i
 # Where each top-level name lives (also read by the lessons' "where this lives" cell).
 TOP_LEVEL = {"CommLedger": "zero_lab.comm_ledger", "RankFailed": "zero_lab.launcher", "RanksHung": "zero_lab.launcher",
          "init_distributed": "zero_lab.launcher", "launch": "zero_lab.launcher", "launch_restored": "zero_lab.launcher",
+         "placement": "zero_lab.launcher", "rank_device": "zero_lab.launcher",
          "load_checkpoint": "zero_lab.checkpoint", "save_checkpoint": "zero_lab.checkpoint", "prepare": "zero_lab.prepare"}
 __all__ = sorted(TOP_LEVEL)
 

@@ -2,8 +2,9 @@
 
 The launcher (and `init_distributed` under torchrun) creates the default process group
 with the backend "counted": a thin Python process group that records each call and then
-hands it to the real transport (gloo on CPU, nccl on CUDA). Because it sits *under*
-`torch.distributed`, it sees our own code and PyTorch's DDP reducer (C++), FSDP2 and
+hands it to the real transport, by the tensors' device: gloo for CPU tensors, and for CUDA
+tensors nccl (a GPU per rank) or gloo (ranks that share a GPU: zero_lab/rank_placement.py).
+Because it sits *under* `torch.distributed`, it sees our own code and PyTorch's DDP reducer (C++), FSDP2 and
 ZeroRedundancyOptimizer alike, so lessons can compare them side by side.
 
 Convention for "bytes sent" (docs/communication.md has the derivation):
@@ -30,6 +31,8 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
+
+from zero_lab import torch_versions  # noqa: F401  (the collectives' current names, on an older torch too)
 
 BACKEND = "counted"
 
@@ -149,86 +152,98 @@ class CountingProcessGroup(dist.ProcessGroup):
     objects); each method names the logical message size M it charges.
     """
 
-    def __init__(self, inner, rank: int, size: int, device_type: str, backend_type):
+    def __init__(self, transports: dict, rank: int, size: int):
+        """transports: {device type: (backend, its BackendType)}, "cpu" first."""
         super().__init__(rank, size)
-        self.inner = inner
-        # Registering the transport gives this group a name and a device, which
+        self.transports = {device: backend for device, (backend, _) in transports.items()}
+        self.inner = self.transports["cpu"]  # what carries what is not a tensor (barrier)
+        # Registering the transports gives this group a name and devices, which
         # DeviceMesh / FSDP2 look up.
-        self._register_backend(torch.device(device_type), backend_type, inner)
+        for device, (backend, backend_type) in transports.items():
+            self._register_backend(torch.device(device), backend_type, backend)
 
     def getBackendName(self) -> str:
         return BACKEND
 
+    def _for(self, tensors):
+        """The transport for these tensors (a list, or a list of lists): by their device."""
+        first = next(iter(_flat(tensors)), None)
+        return self.transports.get(first.device.type, self.inner) if first is not None else self.inner
+
     # M = the tensor being reduced / broadcast.
     def allreduce(self, tensors, opts=c10d.AllreduceOptions()):
         _record("all_reduce", tensors, self.size(), group=self)
-        return self.inner.allreduce(tensors, opts)
+        return self._for(tensors).allreduce(tensors, opts)
 
     def allreduce_coalesced(self, tensors, opts=c10d.AllreduceCoalescedOptions()):
         _record("all_reduce", tensors, self.size(), group=self)
-        return self.inner.allreduce_coalesced(tensors, opts)
+        return self._for(tensors).allreduce_coalesced(tensors, opts)
 
     def broadcast(self, tensors, opts=c10d.BroadcastOptions()):
         _record("broadcast", tensors, self.size(), group=self)
-        return self.inner.broadcast(tensors, opts)
+        return self._for(tensors).broadcast(tensors, opts)
 
     def reduce(self, tensors, opts=c10d.ReduceOptions()):
         _record("reduce", tensors, self.size(), group=self)
-        return self.inner.reduce(tensors, opts)
+        return self._for(tensors).reduce(tensors, opts)
 
     # M = the full (gathered / unscattered) size.
     def allgather(self, output_lists, inputs, opts=c10d.AllgatherOptions()):
         _record("all_gather", _flat(output_lists), self.size(), group=self)
-        return self.inner.allgather(output_lists, inputs, opts)
+        return self._for(inputs).allgather(output_lists, inputs, opts)
 
     def allgather_coalesced(self, output_lists, inputs, opts=c10d.AllgatherOptions()):
         _record("all_gather", _flat(output_lists), self.size(), group=self)
-        return self.inner.allgather_coalesced(output_lists, inputs, opts)
+        return self._for(inputs).allgather_coalesced(output_lists, inputs, opts)
 
     def all_gather_single(self, output, input, opts=c10d.AllgatherOptions()):
         _record("all_gather", [output], self.size(), group=self)
-        return self.inner._allgather_base(output, input, opts)
+        return self._for([input])._allgather_base(output, input, opts)
 
     _allgather_base = all_gather_single
 
     def reduce_scatter(self, outputs, input_lists, opts=c10d.ReduceScatterOptions()):
         _record("reduce_scatter", _flat(input_lists), self.size(), group=self)
-        return self.inner.reduce_scatter(outputs, input_lists, opts)
+        return self._for(outputs).reduce_scatter(outputs, input_lists, opts)
 
     def reduce_scatter_single(self, output, input, opts=c10d.ReduceScatterOptions()):
         _record("reduce_scatter", [input], self.size(), group=self)
-        return self.inner._reduce_scatter_base(output, input, opts)
+        return self._for([input])._reduce_scatter_base(output, input, opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
     def alltoall_base(self, output, input, output_splits, input_splits, opts=c10d.AllToAllOptions()):
         _record("all_to_all", [input], self.size(), group=self)
-        return self.inner.alltoall_base(output, input, output_splits, input_splits, opts)
+        return self._for([input]).alltoall_base(output, input, output_splits, input_splits, opts)
 
     def alltoall(self, outputs, inputs, opts=c10d.AllToAllOptions()):
         _record("all_to_all", inputs, self.size(), group=self)
-        return self.inner.alltoall(outputs, inputs, opts)
+        return self._for(inputs).alltoall(outputs, inputs, opts)
 
     def gather(self, output_lists, inputs, opts=c10d.GatherOptions()):
         _record("gather", inputs, self.size(), elements=sum(t.numel() for t in inputs) * self.size(), group=self)
-        return self.inner.gather(output_lists, inputs, opts)
+        return self._for(inputs).gather(output_lists, inputs, opts)
 
     def scatter(self, outputs, input_lists, opts=c10d.ScatterOptions()):
         _record("scatter", outputs, self.size(), elements=sum(t.numel() for t in outputs) * self.size(), group=self)
-        return self.inner.scatter(outputs, input_lists, opts)
+        return self._for(outputs).scatter(outputs, input_lists, opts)
 
     # Point to point: M = what this rank sends.
+    # gloo sends and receives host tensors only: a CUDA tensor goes through a host copy.
     def send(self, tensors, dst, tag):
         _record("send", tensors, self.size(), group=self)
-        return self.inner.send(tensors, dst, tag)
+        transport = self._for(tensors)
+        if _through_host(transport, tensors):
+            tensors = [t.to("cpu", copy=True) for t in tensors]  # the backend's work keeps the copies alive until sent
+        return transport.send(tensors, dst, tag)
 
     def recv(self, tensors, src, tag):
         _record("recv", tensors, self.size(), group=self)
-        return self.inner.recv(tensors, src, tag)
+        return _received(self._for(tensors), tensors, lambda transport, into: transport.recv(into, src, tag))
 
     def recv_anysource(self, tensors, tag):
         _record("recv", tensors, self.size(), group=self)
-        return self.inner.recv_anysource(tensors, tag)
+        return _received(self._for(tensors), tensors, lambda transport, into: transport.recv_anysource(into, tag))
 
     def barrier(self, opts=c10d.BarrierOptions()):
         _record("barrier", [], self.size(), elements=0, group=self)
@@ -238,25 +253,65 @@ class CountingProcessGroup(dist.ProcessGroup):
         return self.inner.monitored_barrier(timeout, wait_all_ranks)
 
 
-_transport = "gloo"  # what the "counted" group delegates to; set by register()
+HOST_ONLY_TRANSPORTS = (dist.ProcessGroupGloo,)  # their send/recv take host tensors only
+HOST_DEVICES = ("cpu",)  # a test empties it, so that CPU tensors take the way a CUDA tensor takes
+
+
+def _through_host(transport, tensors) -> bool:
+    return isinstance(transport, HOST_ONLY_TRANSPORTS) and any(t.device.type not in HOST_DEVICES for t in tensors)
+
+
+def _received(transport, tensors, receive):
+    """Receive into `tensors`, through host buffers where the transport needs them."""
+    if not _through_host(transport, tensors):
+        return receive(transport, tensors)
+    hosts = [torch.empty(t.shape, dtype=t.dtype) for t in tensors]
+    return _CopiedOnWait(receive(transport, hosts), hosts, tensors)
+
+
+class _CopiedOnWait(dist.Work):
+    """A receive into host buffers that copies them to their device tensors when waited on."""
+
+    def __init__(self, work, hosts, tensors):
+        super().__init__()
+        self.work, self.hosts, self.tensors = work, hosts, tensors
+
+    def wait(self, timeout=timedelta(0)):
+        self.work.wait(timeout) if timeout else self.work.wait()
+        for tensor, host in zip(self.tensors, self.hosts):
+            tensor.copy_(host)
+        return True
+
+    def is_completed(self):
+        return self.work.is_completed()
+
+    def _source_rank(self):
+        return self.work._source_rank()
+
+
+_cuda_transport = None  # what carries CUDA tensors in the "counted" group: None, "gloo" or "nccl"; set by register()
 
 
 def _create_counting_group(store, rank: int, size: int, timeout: timedelta):
-    if _transport == "nccl":
+    gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+    transports = {"cpu": (gloo, dist.ProcessGroup.BackendType.GLOO)}
+    if _cuda_transport == "gloo":
+        transports["cuda"] = transports["cpu"]
+    elif _cuda_transport == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        inner = dist.ProcessGroupNCCL(store, rank, size, options)
-        return CountingProcessGroup(inner, rank, size, "cuda", dist.ProcessGroup.BackendType.NCCL)
-    inner = dist.ProcessGroupGloo(store, rank, size, timeout)
-    return CountingProcessGroup(inner, rank, size, "cpu", dist.ProcessGroup.BackendType.GLOO)
+        nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size, options)
+        transports["cuda"] = (nccl, dist.ProcessGroup.BackendType.NCCL)
+    return CountingProcessGroup(transports, rank, size)
 
 
-def register(transport: str) -> str:
-    """Make backend "counted" available on top of `transport` ("gloo" or "nccl")."""
-    global _transport
-    if transport not in ("gloo", "nccl"):
-        raise ValueError(f"transport must be 'gloo' or 'nccl', not {transport!r}")
-    _transport = transport
+def register(cuda_transport: str | None = None) -> str:
+    """Make backend "counted" available: CPU tensors over gloo, CUDA tensors over `cuda_transport`
+    ("nccl" with a GPU per rank, "gloo" for ranks that share GPUs, None without GPUs)."""
+    global _cuda_transport
+    if cuda_transport not in (None, "gloo", "nccl"):
+        raise ValueError(f"cuda_transport must be None, 'gloo' or 'nccl', not {cuda_transport!r}")
+    _cuda_transport = cuda_transport
     if BACKEND.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND, _create_counting_group, devices=["cpu", "cuda"])
     return BACKEND

@@ -4,8 +4,10 @@
 
 The same call serves notebook cells, pytest and scripts. Ranks are processes started with
 `fork` where the OS has it, so `fn` may be defined in a notebook cell; inside, `fn` sees an
-initialised default process group ("counted" over gloo on CPU, over nccl with one GPU per
-rank when there are enough GPUs) and can use `torch.distributed` as usual.
+initialised default process group ("counted": CPU tensors over gloo; CUDA tensors over nccl
+with a GPU per rank, over gloo when ranks share a GPU) and can use `torch.distributed` as usual.
+`rank_device()` is the rank's device: cuda:(rank mod GPUs), or the CPU (`placement(n)` says
+which, and `device=` or $ZERO_LAB_DEVICE chooses).
 
 Failures surface in the caller, never as a silent hang:
 - an exception on any rank raises `RankFailed` naming the rank, with its traceback, and the
@@ -56,8 +58,10 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.distributed_c10d as distributed_c10d  # noqa: E402
+import torch.utils._pytree  # noqa: E402
 
 from zero_lab import comm_ledger  # noqa: E402
+from zero_lab.rank_placement import Placement  # noqa: E402
 
 DEFAULT_TIMEOUT = 120.0
 PROCESS_GROUP_TIMEOUT_MARGIN = 60.0
@@ -98,31 +102,53 @@ class RanksHung(TimeoutError):
         super().__init__("\n".join(lines))
 
 
-def transport() -> str:
-    """'nccl' if a GPU is visible, else 'gloo'."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+_placement: Placement | None = None  # in a rank: where this machine's ranks run (set by init_distributed)
 
 
-def init_distributed(timeout: float | None = None, init_method: str = "env://") -> torch.device:
+def placement(world_size: int | None = None, device: str | None = None) -> Placement:
+    """Where ranks run: this group's placement in a rank, else where `launch` would put world_size
+    ranks (default 1). device: "cpu" or "cuda" (default: $ZERO_LAB_DEVICE, else a GPU if visible)."""
+    if _placement is not None and world_size is None and device is None:
+        return _placement
+    return Placement.choose(world_size or 1, device)
+
+
+def rank_device() -> torch.device:
+    """This rank's device: cuda:(local rank mod GPUs), or cpu. Where the lab bench (lesson 07's GPU
+    cells, the benchmarks, train) puts its model and batches; a lesson's own tensors stay where
+    its cells make them. Outside a rank, the device of a single process."""
+    device = placement().device(int(os.environ.get("LOCAL_RANK", 0)))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # here, not at start: a rank that never asks leaves CUDA alone
+    return device
+
+
+def init_distributed(timeout: float | None = None, init_method: str = "env://", device: str | None = None) -> torch.device:
     """Join the default process group from environment variables; return this rank's device.
 
-    Works under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and inside
-    `launch`, which sets the same variables. A no-op if the group already exists. Under
-    torchrun the worker dies with its agent, as `launch`'s ranks die with their parent: a
-    worker whose agent was killed would otherwise keep training with the other machines.
+    Works under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT) and inside `launch`, which sets the same variables. `device` ("cpu" or "cuda";
+    default $ZERO_LAB_DEVICE, else a GPU if visible) and the number of this machine's ranks decide
+    the placement (zero_lab/rank_placement.py): with more local ranks than GPUs they share them over
+    gloo. A no-op if the group already exists. Under torchrun the worker dies with its agent, as
+    `launch`'s ranks die with their parent: a worker whose agent was killed would otherwise keep
+    training with the other machines.
     """
+    global _placement
     if "TORCHELASTIC_RUN_ID" in os.environ:
         _die_with_parent()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if transport() == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+    _placement = Placement.choose(local_world_size, device)
+    rank_device_now = _placement.device(local_rank)
+    if _placement.cuda_transport == "nccl":
+        torch.cuda.set_device(rank_device_now)  # NCCL binds each rank to its GPU when the group starts
     if not dist.is_initialized():
-        backend = comm_ledger.register(transport())
+        backend = comm_ledger.register(_placement.cuda_transport)
         kwargs = {"timeout": timedelta(seconds=timeout)} if timeout else {}
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, **kwargs)
-    return device
+    return rank_device_now
 
 
 def _die_with_parent() -> None:
@@ -131,7 +157,7 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _rank_main(fn, args, kwargs, rank, world_size, store_file, conn, stack_file, timeout, restore):
+def _rank_main(fn, args, kwargs, rank, world_size, store_file, conn, stack_file, timeout, restore, device):
     global _in_rank, _removals_file
     if restore:
         restore_as_imported()
@@ -152,8 +178,9 @@ def _rank_main(fn, args, kwargs, rank, world_size, store_file, conn, stack_file,
         # store's server listens (c10d's retry path can stall for seconds on a reverse-DNS lookup).
         # The group's own timeout comes after launch's, which then reports the hang (RanksHung,
         # with stacks) instead of racing gloo's "Timed out waiting" error.
-        init_distributed(timeout=timeout + PROCESS_GROUP_TIMEOUT_MARGIN, init_method=f"file://{store_file}")
-        message = ("ok", fn(*args, **kwargs))
+        init_distributed(timeout=timeout + PROCESS_GROUP_TIMEOUT_MARGIN, init_method=f"file://{store_file}",
+                         device=device)
+        message = ("ok", _on_host(fn(*args, **kwargs)))
     except BaseException:
         message = ("error", traceback.format_exc())
     try:
@@ -170,6 +197,12 @@ def _rank_main(fn, args, kwargs, rank, world_size, store_file, conn, stack_file,
         signal.pause()
 
 
+def _on_host(result):
+    """The result with its CUDA tensors copied to the host: unpickling a CUDA tensor in the parent
+    would initialise CUDA there, and no later launch could fork ranks that use it."""
+    return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.cpu() if t.is_cuda else t, result)
+
+
 def _blocked_in(stack: str) -> str:
     """Name the torch.distributed call (and the caller's line) a faulthandler stack is in."""
     frames = re.findall(r'File "(.+?)", line (\d+) in (\S+)', stack)
@@ -184,15 +217,18 @@ def _blocked_in(stack: str) -> str:
     return f"running {caller}" if caller else "no Python frame (blocked in C code)"
 
 
-def launch(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> list:
+def launch(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, device: str | None = None, **kwargs) -> list:
     """Run `fn(*args, **kwargs)` on `world_size` ranks; return the list of per-rank results.
 
-    Results travel back by pickle, so return plain data (numbers, lists, dicts, CPU tensors).
+    Results travel back by pickle, so return plain data (numbers, lists, dicts, tensors: CUDA
+    tensors come back on the CPU). device: "cpu" or "cuda", where `rank_device()` points in the
+    ranks (default: $ZERO_LAB_DEVICE, else a GPU if one is visible; `placement(world_size)` says).
     """
-    return _launch(fn, world_size, args, kwargs, timeout, restore=False)
+    return _launch(fn, world_size, args, kwargs, timeout, restore=False, device=device)
 
 
-def launch_restored(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> list:
+def launch_restored(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, device: str | None = None,
+                    **kwargs) -> list:
     """`launch` for tests that grade code: each rank first puts builtins, torch, torch.distributed,
     c10d and zero_lab's modules (the comm ledger among them) back as they were when zero_lab was
     imported, before any learner code ran (when grading: before the notebook's first cell, and
@@ -203,7 +239,7 @@ def launch_restored(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT
     test computes there with torch.distributed is true, and a CommLedger there counts what
     really went through the process group the launcher made.
     """
-    return _launch(fn, world_size, args, kwargs, timeout, restore=True)
+    return _launch(fn, world_size, args, kwargs, timeout, restore=True, device=device)
 
 
 # Put back by launch_restored, besides every module of zero_lab and the classes they define:
@@ -259,7 +295,7 @@ def retake_snapshot() -> None:
     _AS_IMPORTED = snapshot_as_imported()
 
 
-def _launch(fn, world_size, args, kwargs, timeout, restore):
+def _launch(fn, world_size, args, kwargs, timeout, restore, device=None):
     restore = restore or restore_always
     if _in_rank:
         raise RuntimeError("zero_lab.launch was called inside a rank of another launch: every rank is "
@@ -268,11 +304,7 @@ def _launch(fn, world_size, args, kwargs, timeout, restore):
         raise ValueError(f"world_size must be an int of at least 1, got {world_size!r}")
     if not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    if transport() == "nccl" and torch.cuda.device_count() < world_size:
-        raise ValueError(
-            f"world_size={world_size} needs one GPU per rank, but {torch.cuda.device_count()} are visible; "
-            "use fewer ranks or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run them on CPU."
-        )
+    device = Placement.choose(world_size, device).device(0).type  # a bad choice fails here, not in every rank
     if "fork" not in mp.get_all_start_methods():
         raise RuntimeError(
             "zero_lab.launch needs the 'fork' start method, which this OS lacks (Windows). "
@@ -303,7 +335,7 @@ def _launch(fn, world_size, args, kwargs, timeout, restore):
                 proc = ctx.Process(
                     target=_rank_main,
                     args=(fn, args, kwargs, rank, world_size, store_file, child_end, stack_files[-1], timeout,
-                          restore),
+                          restore, device),
                     daemon=True,
                 )
                 proc.start()

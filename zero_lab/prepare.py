@@ -14,6 +14,11 @@ are ZeRO-Offload (lesson 06), stage 3 with offload="nvme" ZeRO-Infinity's NVMe t
 
 Options besides the optimizer's own (lr, betas, weight_decay, ...):
     params=         tensors or param-group dicts, as torch.optim takes them (default: all of the model's)
+    device=         where the model trains: it is moved there first (zero_lab.rank_device() is this rank's GPU,
+                    or the CPU). Default: where it is, when the process group carries that device's tensors
+                    (zero_lab's does, CPU and CUDA); a CPU model under an nccl-only group goes to the current
+                    GPU, as FSDP2 and DeepSpeed do. Stage 3 makes a meta model's shards there (init_fn=).
+                    Batches go to the model's device: the caller moves them (batch.to(device))
     param_dtype=    compute dtype, torch.bfloat16 for mixed precision (fp32 masters kept)
     max_grad_norm=  stages 1-3: clip the global gradient norm in optimizer.step()
     find_unused_parameters=  stages 0-2, as torch's DDP: True lets a step leave parameters without gradient
@@ -49,6 +54,7 @@ for statistics over the global batch; on CPU use LayerNorm/GroupNorm, or keep ra
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import warnings
@@ -68,6 +74,7 @@ def prepare(model: torch.nn.Module, optimizer_class: type, stage: int = 0, *, pa
     """Return (model, optimizer) set up for data-parallel training with the given ZeRO stage."""
     model = next((m for m, made in _prepared.items() if made is model), model)  # given stage 0's wrapper back
     _check_setup(model, optimizer_class, stage)
+    device = _training_device(model, options.pop("device", None))
     row = STAGES[stage]
     zero_options = {k: options.pop(k) for k in list(options) if k in row.options}
     _check_options(optimizer_class, stage, options)
@@ -93,7 +100,19 @@ def prepare(model: torch.nn.Module, optimizer_class: type, stage: int = 0, *, pa
         if hasattr(previous, "close"):  # its NVMe tier's files
             previous.close()
         model.zero_grad(set_to_none=True)  # views into the old optimizer's buffers
+    on_meta = any(p.device.type == "meta" for p in model.parameters())
+    if not on_meta:
+        model.to(device)
     built = getattr(module, builds)
+    with torch.device(device) if on_meta else contextlib.nullcontext():  # where stage 3 makes a meta model's shards
+        wrapped, optimizer = _build(row, built, module, model, optimizer_class, params, param_dtype, options,
+                                    zero_options)
+    if param_dtype is not None and not row.shards_parameters:  # stage 3 casts its shards and the buffers itself
+        model.to(param_dtype)  # frozen parameters and buffers too; the fp32 masters were taken before
+    return wrapped, optimizer
+
+
+def _build(row, built, module, model, optimizer_class, params, param_dtype, options, zero_options):
     if row.wraps_model:
         wrapped, optimizer = _prepare_ddp(built, module, model, optimizer_class, params, param_dtype, options,
                                           zero_options.get("find_unused_parameters", False))
@@ -101,9 +120,30 @@ def prepare(model: torch.nn.Module, optimizer_class: type, stage: int = 0, *, pa
     else:
         wrapped = model
         _prepared[model] = optimizer = built(model, optimizer_class, params, **zero_options, **options)
-    if param_dtype is not None and not row.shards_parameters:  # stage 3 casts its shards and the buffers itself
-        model.to(param_dtype)  # frozen parameters and buffers too; the fp32 masters were taken before
     return wrapped, optimizer
+
+
+def _training_device(model, device) -> torch.device:
+    """Where the model trains: `device`, else where it is if the process group carries that device's
+    tensors, else the current GPU (a CPU model under an nccl-only group). A meta model (stage 3's
+    init_fn) is made on `device`, else on torch's default device."""
+    current = next(model.parameters()).device
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={str(device)!r}, but no GPU is visible: use device='cpu' or leave device out")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
+    if current.type == "meta":
+        return torch.get_default_device()
+    carried = {d.type for d in dist.distributed_c10d._get_default_group()._device_types}
+    if current.type in carried:
+        return current
+    if current.type == "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    raise ValueError(f"the model is on {current}, which the process group ({dist.get_backend()}) does not carry: "
+                     f"move it with model.to(device), or pass device= to prepare")
 
 
 def _lesson_module(name: str, lesson: str, what: str):

@@ -510,8 +510,7 @@ def build_unit(name: str, params: list[torch.nn.Parameter], names: dict, param_d
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     layout = ShardLayout(sum(p.numel() for p in params), world_size)
     on_meta = any(p.device.type == "meta" for p in params)
-    device = params[0].device if not on_meta else (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    device = params[0].device if not on_meta else torch.get_default_device()  # prepare(device=) sets it
     full = torch.zeros(layout.padded_numel, dtype=MASTER_DTYPE, device=device)  # one unit at a time
     for p, view in zip(params, param_views(full, params)):
         if p.device.type != "meta":

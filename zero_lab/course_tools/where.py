@@ -2,14 +2,16 @@
 
 It says which modules the lesson's `#| export` cells become, which modules of earlier lessons
 and of the lab bench its code uses, and which `zero_lab.prepare` arguments reach its code (from
-zero_lab/stages.py). `zero-lab build` writes it (before the first code cell, in a lesson that
-has none yet); `zero-lab build --check` fails when it is stale. Comments only: running it does nothing.
+zero_lab/stages.py), then prints where `zero_lab.launch` puts the lesson's ranks (on the CPU, or
+sharing this machine's GPUs). `zero-lab build` writes it (before the first code cell, in a lesson
+that has none yet); `zero-lab build --check` fails when it is stale.
 """
 
 from __future__ import annotations
 
 import re
 import textwrap
+from collections import Counter
 from pathlib import Path
 
 import zero_lab
@@ -21,6 +23,7 @@ TITLE = "# Where this lesson's code lives (written by `zero-lab build` from the 
 IMPORTED = re.compile(r"^\s*(?:from\s+zero_lab\.(\w+)\s+import|import\s+zero_lab\.(\w+)|from\s+zero_lab\s+import\s+(.+))",
                       re.MULTILINE)
 TOP_LEVEL_USE = re.compile(r"\bzero_lab\.(\w+)")  # zero_lab.launch(...): zero_lab.launcher
+WORLD_SIZE = re.compile(r"\blaunch(?:_restored)?\(\s*\w+\s*,\s*(\d+)")  # launch(fn, 4, ...)
 WIDTH = 100
 
 
@@ -51,11 +54,28 @@ def cell_source(nb, lesson: str, exporters: dict[str, str], package: Path) -> st
             ("uses, lab bench", ", ".join(f"zero_lab.{m}" for m in bench) or "nothing"),
             *(("" if index else "prepare reaches", entry) for index, entry in enumerate(
                 stages.prepare_arguments(lesson) or ["nothing here: no stage of zero_lab.prepare is built from this lesson"]))]
+    ranks = ranks_launched(nb)
+    if ranks:
+        rows.append(("ranks", f"zero_lab.launch(fn, {ranks}) runs {ranks} processes: on the CPU, or on this machine's "
+                     "GPUs, shared over gloo when there are more ranks than GPUs (ZERO_LAB_DEVICE=cpu|cuda chooses). "
+                     "The exercises' tensors stay where their cells make them, on the CPU; GPU cells put theirs on "
+                     "zero_lab.rank_device()"))
     lines = [TITLE]
     for name, text in rows:
         lines += textwrap.wrap(text, WIDTH, initial_indent=f"# {name:<16} ", subsequent_indent="#" + " " * 18,
                                break_on_hyphens=False)
+    if ranks:
+        lines += ["import zero_lab", "", f"print(zero_lab.placement({ranks}))"]
     return "\n".join(lines)
+
+
+def ranks_launched(nb) -> int | None:
+    """The world size the lesson launches most often (2 if none is written out; None: it launches nothing)."""
+    sources = [cell.source for cell in nb.cells if cell.cell_type == "code" and not is_where_cell(cell)]
+    sizes = Counter(int(n) for source in sources for n in WORLD_SIZE.findall(source))
+    if sizes:
+        return max(sizes, key=lambda n: (sizes[n], n))
+    return 2 if any(re.search(r"\blaunch(?:_restored)?\(", source) for source in sources) else None
 
 
 def is_where_cell(cell) -> bool:
