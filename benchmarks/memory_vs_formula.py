@@ -49,7 +49,7 @@ import zero_lab
 from zero_lab import memory
 from zero_lab.benchmark import decompose_residual, largest_that_fits
 from zero_lab.data import shard_batch, token_batches
-from zero_lab.memory_ledger import CATEGORIES
+from zero_lab.memory_ledger import CATEGORIES, model_state_bytes
 from zero_lab.models import GPT, GPTConfig
 from zero_lab.step_memory import cuda_step_memory, step_memory, step_phases  # noqa: F401 (lesson 07 reads them here)
 
@@ -142,6 +142,8 @@ def run_config(row: str, config: GPTConfig, timed_steps: int = 2, decompose=deco
     """Train `config` with the row's stage on this rank: step 1 (creates AdamW's state), step 2
     measured, then `timed_steps` timed steps in a CommLedger. Every rank returns its figures."""
     device, rank, nd = _device(), dist.get_rank(), dist.get_world_size()
+    gc.collect()
+    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0  # what earlier rows left, if any
     model, optimizer = _prepare(row, GPT(config, seed=0).to(device))
     psi = GPT(config).num_params()
     batches = [shard_batch(b, rank, nd) for b in
@@ -153,8 +155,15 @@ def run_config(row: str, config: GPTConfig, timed_steps: int = 2, decompose=deco
     figures = dict(psi=psi, formula={k: float(v) for k, v in formula(row, psi, nd).items()},
                    comm_formula=float(comm_formula(row, psi, nd)))
     figures.update(step_memory(model, optimizer, phases, device))
+    if "cuda" in figures:  # this row's own: the peak less what was allocated before its model was built
+        figures["cuda"]["before_model"] = before
+        figures["peak"] -= before
     after_backward = next(s for s in reversed(figures["samples"]) if s["phase"] == "backward")
     figures["model_states"] = {c: after_backward[c] for c in CATEGORIES}
+    if row_options(row).get("offload") == "cpu":  # where offload keeps them: 2Ψ on the device, 16Ψ/Nd on the host
+        figures["placement"] = {where: sum(model_state_bytes(model, optimizer, placement=where).bytes.values())
+                                for where in ("device", "host")}
+        figures["placement_formula"] = {"device": 2 * psi, "host": float(Fraction(16 * psi, nd))}
     if figures["peak"] is not None:
         figures["residual"] = decompose(figures["samples"], figures["formula"], figures["peak"])
     if timed_steps:
@@ -271,7 +280,7 @@ def memory_table(run: Run) -> str:
     """Measured model states and peak against the formula, per row, size and Nd (MiB, rank 0)."""
     lines = [f"measurement: {run.measurement}; machine: {run.machine['cpu']}, {run.machine['accelerator']}",
              f"{'row':>16} {'size':>4} {'Nd':>3} {'psi':>9} {'formula':>8} {'states':>8} {'/formula':>9} "
-             f"{'peak':>8} {'peak RSS':>9}   MiB per rank"]
+             f"{'+act':>8} {'peak':>8} {'peak RSS':>9}   MiB per rank (+act: formula + activations)"]
     for nd, rows in run.results.items():
         for row, result in rows.items():
             if "unavailable" in result:
@@ -282,8 +291,22 @@ def memory_table(run: Run) -> str:
                 states = sum(f.get("model_states", {}).values()) or None
                 ratio = f"{states / expected:9.4f}" if states else f"{'-':>9}"
                 lines.append(f"{row:>16} {size:>4} {nd:>3} {f['psi']:>9,} {_mb(expected):>8} {_mb(states):>8} "
-                             f"{ratio} {_mb(f['peak']):>8} {_mb(f.get('peak_rss')):>9}")
+                             f"{ratio} {_mb(expected + f['activations']):>8} {_mb(f['peak']):>8} "
+                             f"{_mb(f.get('peak_rss')):>9}")
     return "\n".join(lines)
+
+
+def placement_table(run: Run) -> str:
+    """Offload's model states by where they live, measured against 2Ψ (device) and 16Ψ/Nd (host)."""
+    lines = [f"{'row':>16} {'size':>4} {'Nd':>3} {'device':>8} {'2Ψ':>8} {'host':>8} {'16Ψ/Nd':>8}   MiB per rank"]
+    for nd, rows in run.results.items():
+        for row, result in rows.items():
+            for size, f in result.get("sizes", {}).items():
+                if "placement" in f:
+                    measured, formula = f["placement"], f["placement_formula"]
+                    lines.append(f"{row:>16} {size:>4} {nd:>3} {_mb(measured['device']):>8} {_mb(formula['device']):>8} "
+                                 f"{_mb(measured['host']):>8} {_mb(formula['host']):>8}")
+    return "\n".join(lines) if len(lines) > 1 else "no offload row in this run"
 
 
 def residual_table(run: Run, size: str) -> str:
@@ -416,7 +439,7 @@ def plot_runs(paths, size: str = "S"):
 
 def report(run: Run) -> str:
     sizes = list(run.config["sizes"])
-    parts = [memory_table(run)]
+    parts = [memory_table(run), "", placement_table(run)]
     for size in sizes:
         parts += [f"\nresidual, GPT {size}:", residual_table(run, size)]
     parts += [f"\nthroughput and bytes, GPT {sizes[-1]}:", throughput_table(run, sizes[-1])]

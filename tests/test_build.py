@@ -97,11 +97,15 @@ def test_check_names_each_kind_of_drift(repo):
 def test_the_first_code_cell_says_where_the_lesson_lives_and_check_keeps_it_current(repo):
     source = build.read_notebook(repo / SOURCE)
     first_code = next(c for c in source.cells if c.cell_type == "code")
-    assert first_code.source.splitlines()[1:] == [
+    lines = first_code.source.splitlines()
+    assert lines[1:5] == [
         "# exports          zero_lab.fixture_ops (your `#| export` cells; ZERO_LAB_IMPL=mine imports yours)",
         "# uses, earlier    no earlier lesson's module",
         "# uses, lab bench  nothing",  # this repository has no hand-written zero_lab/launcher.py
         "# prepare reaches  nothing here: no stage of zero_lab.prepare is built from this lesson"]
+    # the world size the lesson launches most, and where such ranks run (the CPU, or shared GPUs)
+    assert lines[5].startswith("# ranks            zero_lab.launch(fn, 3) runs 3 processes: on the CPU, or on")
+    assert lines[-3:] == ["import zero_lab", "", "print(zero_lab.placement(3))"]
     assert first_code.source in build.read_notebook(repo / COURSE).cells[1].source  # the learner sees it too
     del source.cells[1]  # a new lesson, or one whose cell was deleted
     nbformat.write(source, repo / SOURCE)

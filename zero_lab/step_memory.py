@@ -20,6 +20,8 @@ import sys
 
 import torch
 
+import zero_lab
+
 from zero_lab.memory_ledger import CATEGORIES, model_state_bytes
 
 
@@ -150,7 +152,8 @@ def cuda_step_memory(phases, device, cuda=torch.cuda) -> dict:
 
     `cuda` is torch.cuda (a stand-in in the plumbing test). allocated: memory_allocated after
     init (before the step) and after each phase; outside_allocator: memory in use on the device
-    that the allocator did not reserve (context, NCCL).
+    that the allocator did not reserve (context, NCCL), None when ranks share the GPU (the device's
+    free memory is then every rank's business, and each rank's allocator sees only its own).
     """
     cuda.synchronize(device)
     cuda.reset_peak_memory_stats(device)
@@ -161,7 +164,9 @@ def cuda_step_memory(phases, device, cuda=torch.cuda) -> dict:
         allocated[name] = cuda.memory_allocated(device)
     free, total = cuda.mem_get_info(device)
     reserved = cuda.memory_reserved(device)
+    placement = zero_lab.placement()
+    shared = placement.gpus and placement.world_size > placement.gpus
     return dict(allocated=allocated, peak=cuda.max_memory_allocated(device),
                 max_reserved=cuda.max_memory_reserved(device),
                 inactive_split=cuda.memory_stats(device).get("inactive_split_bytes.all.current", 0),
-                device_total=total, outside_allocator=total - free - reserved)
+                device_total=total, outside_allocator=None if shared else total - free - reserved)
