@@ -65,7 +65,7 @@ def _train(options: dict | None) -> list[float]:
         options = dict(options)
         if options.get("offload") == "nvme":
             options["nvme_dir"] = tempfile.mkdtemp(prefix="gpu-check-nvme-")
-        model, optimizer = zero_lab.prepare(model, torch.optim.AdamW, device=device, **options, **ADAMW)
+        model, optimizer = zero_lab.prepare(model, torch.optim.AdamW, device=device, **{**ADAMW, **options})
     rank, world_size = (dist.get_rank(), dist.get_world_size())
     for x, y in regression_batches(STEPS, GLOBAL_BATCH, SIZES[0], SIZES[-1], seed=1):
         x, y = (t.to(device) for t in shard_batch((x, y), rank, world_size if options is not None else 1))

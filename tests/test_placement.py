@@ -48,14 +48,16 @@ def test_a_bad_device_choice_names_the_fix(monkeypatch):
 
 
 def _where():
-    return str(zero_lab.placement()), str(zero_lab.rank_device()), comm_ledger._cuda_transport
+    import os
+
+    joined_again = zero_lab.init_distributed()  # as zero_lab.train does inside a rank: the same placement
+    return (str(zero_lab.placement()), str(zero_lab.rank_device()), str(joined_again), comm_ledger._cuda_transport,
+            os.environ[DEVICE_VARIABLE])
 
 
 def test_launch_tells_each_rank_where_it_runs():
-    gpus = torch.cuda.device_count()
-    expected = str(Placement.choose(3, "cpu")) if not gpus else None
     results = launch(_where, 3, device="cpu")
-    assert results == [(expected or "3 ranks on CPU, gloo", "cpu", None)] * 3
+    assert results == [("3 ranks on CPU, gloo", "cpu", "cpu", None, "cpu")] * 3
     assert str(zero_lab.placement(3, "cpu")) == "3 ranks on CPU, gloo"
 
 

@@ -61,7 +61,7 @@ import torch.distributed.distributed_c10d as distributed_c10d  # noqa: E402
 import torch.utils._pytree  # noqa: E402
 
 from zero_lab import comm_ledger  # noqa: E402
-from zero_lab.rank_placement import Placement  # noqa: E402
+from zero_lab.rank_placement import DEVICE_VARIABLE, Placement  # noqa: E402
 
 DEFAULT_TIMEOUT = 120.0
 PROCESS_GROUP_TIMEOUT_MARGIN = 60.0
@@ -135,9 +135,11 @@ def init_distributed(timeout: float | None = None, init_method: str = "env://", 
     training with the other machines.
     """
     global _placement
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if dist.is_initialized() and _placement is not None:  # joined already (in a rank of launch: before fn ran)
+        return _placement.device(local_rank)
     if "TORCHELASTIC_RUN_ID" in os.environ:
         _die_with_parent()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
     _placement = Placement.choose(local_world_size, device)
     rank_device_now = _placement.device(local_rank)
@@ -168,7 +170,7 @@ def _rank_main(fn, args, kwargs, rank, world_size, store_file, conn, stack_file,
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size), **{DEVICE_VARIABLE: device},  # fn's own placement() agrees
     )
     # One thread per rank: an OpenMP pool the parent already used cannot be reused after
     # fork (the first multi-threaded matmul would hang), and ranks share the cores anyway.
