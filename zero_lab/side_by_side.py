@@ -84,7 +84,8 @@ def our_stages() -> tuple[int, ...]:
     return (1, 2) if importlib.util.find_spec("zero_lab.zero2") is not None else (1,)
 
 
-def _deepspeed_engine(model, stage: int, micro_batch: int, zero_options: dict, log: io.StringIO):
+def _deepspeed_engine(model, stage: int, micro_batch: int, zero_options: dict, log: io.StringIO,
+                      device: torch.device):
     config = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
@@ -96,7 +97,9 @@ def _deepspeed_engine(model, stage: int, micro_batch: int, zero_options: dict, l
     with _captured(log):
         import deepspeed
 
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+        # On a GPU, DeepSpeed's device is args.device_rank, else cuda:LOCAL_RANK: none such when ranks share a GPU.
+        args = argparse.Namespace(device_rank=device.index) if device.type == "cuda" else None
+        engine, *_ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(), config=config,
                                           dist_init_required=False)
     for handler in deepspeed.utils.logger.handlers:  # made during the import: later warnings go to stdout again
         if getattr(handler, "stream", None) is log:
@@ -150,7 +153,7 @@ def train_side_by_side(stages, steps: int, warmup: int, batch_size: int, config:
         step_fns[stage, OURS] = optimizer_step(model, optimizer)
         for name in versions:
             engine = _deepspeed_engine(GPT(config, seed=0).to(device), stage, batch_size // world_size,
-                                       DEEPSPEED_VERSIONS[name], log)
+                                       DEEPSPEED_VERSIONS[name], log, device)
             step_fns[stage, name] = _deepspeed_step(engine)
     batches = token_batches(steps, batch_size, config.block_size, config.vocab_size, seed=0)
     runs = interleaved_steps(step_fns, batches, warmup, device)
