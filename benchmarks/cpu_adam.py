@@ -2,6 +2,9 @@
 
     python benchmarks/cpu_adam.py [--sizes 1e6 1e7 1e8] [--threads 1 2] [--repeats 5] [--deepspeed]
 
+No GPU needed, none used: every version runs on this machine's CPU (an offloaded optimizer's
+step), in this one process; there are no ranks.
+
 For each shard size and thread count, one AdamW step on a flat fp32 shard of that size is timed
 for each version:
 
@@ -230,13 +233,14 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog="No GPU needed, none used: the CPU's AdamW, in this one process.")
     parser.add_argument("--sizes", type=float, nargs="+", default=[1e6, 1e7, 1e8], help="shard sizes (elements)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--deepspeed", action="store_true", help="add DeepSpeedCPUAdam (JIT-builds its op)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.deepspeed and not deepspeed_available():
         print("DeepSpeed is not installed: DS_BUILD_OPS=0 pip install -e '.[deepspeed]' (the op builds at first use)")
     result = bake_off([int(n) for n in args.sizes], args.threads, args.repeats, args.deepspeed)

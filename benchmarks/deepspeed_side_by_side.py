@@ -1,4 +1,4 @@
-"""Our ZeRO stages 1 and 2 next to DeepSpeed's, in the same run, on CPU ranks.
+"""Our ZeRO stages 1 and 2 next to DeepSpeed's, in the same run.
 
     python benchmarks/deepspeed_side_by_side.py [--ranks 2] [--steps 12] [--repeats 2]
 
@@ -6,10 +6,13 @@ For each stage zero_lab has (1 from lesson 03; 2 once lesson 04 exported zero_la
 rank trains the course GPT three ways on the same shards of the same global batches: ours
 (`zero_lab.prepare(..., stage=S)`), DeepSpeed's ZeRO stage S with its defaults, and DeepSpeed's
 with "use_multi_rank_bucket_allreduce": false. Same torch AdamW (lr, betas, eps, weight decay),
-fp32, no clipping, no loss scaling. Prints per version: the collectives and bytes each rank
-sends per step (comm ledger, ring convention) against ZeRO's 2(N-1)/N * psi * 4 bytes, the
-median step time and its ratio to ours, and the largest difference between its loss curve and
-ours. The code is zero_lab/side_by_side.py, which lesson 03 uses too.
+fp32, no clipping, no loss scaling. The models are built on the CPU (seed 0) and moved to the
+rank's device (`zero_lab.rank_device()`: its GPU, or the CPU); the batches follow them. Prints
+where the ranks run, then per version: the collectives and bytes each rank sends per step (comm
+ledger, ring convention) against ZeRO's 2(N-1)/N * psi * 4 bytes, the median step time (the
+device synchronized before each reading of the clock) and its ratio to ours, and the largest
+difference between its loss curve and ours. The code is zero_lab/side_by_side.py, which lesson 03
+uses too.
 
 Needs DeepSpeed (`DS_BUILD_OPS=0 pip install deepspeed==0.19.8`); without it, says so and exits 0.
 """
@@ -18,13 +21,15 @@ from __future__ import annotations
 
 import sys
 
+import zero_lab
 from zero_lab import side_by_side
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = side_by_side.benchmark_parser(__doc__.split("\n\n")[0], warmup=2, repeats=2)
     parser.add_argument("--verbose", action="store_true", help="also print what DeepSpeed printed while starting")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    print(zero_lab.placement(args.ranks))
     if not side_by_side.deepspeed_available():
         print(f"DeepSpeed is not installed, nothing to compare. Install it with:\n  {side_by_side.INSTALL}")
         sys.exit(0)

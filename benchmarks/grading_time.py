@@ -7,6 +7,8 @@ For each lesson (default: all in solutions/): `zero-lab grade` of the learner ed
 `graded` fixture does), and finally every lesson's pair with `--parallel` lessons at a time, as
 the test suite grades them. Wall-clock seconds; the machine's load average is printed beside
 them, since grading time follows it closely (a shared 2-core machine can double the figures).
+No GPU needed: grading runs each notebook's cells as a learner's machine would (their ranks go
+where zero_lab.launch puts them, on the CPU without a GPU).
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ def timed(fn, *args):
     return time.monotonic() - started
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     epilog="No GPU needed: the notebooks' ranks run on the CPU without one.")
     parser.add_argument("lessons", nargs="*")
     parser.add_argument("--parallel", type=int, default=2)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     lessons = build.find_lessons(REPO, args.lessons)
     print(f"{'lesson':<16} {'grade learner':>14} {'both editions':>14}   load average")
     for lesson in lessons:

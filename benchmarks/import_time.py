@@ -8,7 +8,8 @@ machine load hits all alike; the table gives the median wall-clock seconds and t
 `zero-lab --help` under 1 s). `--before DIR` adds the same commands run from another tree
 (e.g. `git archive <commit> zero_lab solutions/08_interview | tar -x -C DIR`), in the same run.
 Then `python -X importtime` names the slowest imports of `import zero_lab` and of the command
-line. Wall-clock on a shared machine: the load average is printed with the figures.
+line. Wall-clock on a shared machine: the load average is printed with the figures. No GPU needed,
+none used: nothing here runs a rank or touches CUDA.
 """
 
 from __future__ import annotations
@@ -59,11 +60,12 @@ def slowest_imports(code: str, tree: Path, count: int) -> list[tuple[float, str]
     return sorted(rows, reverse=True)[:count]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog="No GPU needed, none used: nothing here runs a rank or touches CUDA.")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--before", type=Path, help="another tree to measure in the same run")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     trees = {"now": REPO, **({"before": args.before.resolve()} if args.before else {})}
     times = {(tree, name): [] for tree in trees for name in COMMANDS}
     load_before = os.getloadavg()

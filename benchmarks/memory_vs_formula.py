@@ -10,7 +10,9 @@ of `zero_lab.prepare`. A row this build of zero_lab refuses (stage 3 before less
 before lesson 06) is reported as "not available in this build" with prepare's own message. Every
 rank trains the course GPT with mixed precision (bf16 parameters and gradients, fp32 masters and
 AdamW: the paper's K = 12) on MICRO_BATCH rows of each global batch, so activations per rank
-stay fixed as Nd grows.
+stay fixed as Nd grows. The GPT is built on the CPU and trained on the rank's device
+(`zero_lab.rank_device()`: its GPU, or the CPU; `prepare(..., device=)`), the batches too; the
+first line of the output says where the ranks run.
 
 What is measured, and said in every output (the probe is zero_lab/step_memory.py):
   any device (`step_memory`): the memory ledger's model-state bytes by category, read at every
@@ -37,6 +39,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import time
 from dataclasses import asdict, dataclass
 from fractions import Fraction
@@ -121,18 +124,19 @@ def comm_formula(row: str, psi: int, nd: int) -> Fraction:
 # --- one configuration on this rank ---------------------------------------------------------------
 
 def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return zero_lab.rank_device()
 
 
 def _prepare(row: str, model):
-    return zero_lab.prepare(model, torch.optim.AdamW, param_dtype=PARAM_DTYPE, **row_options(row), **ADAMW)
+    return zero_lab.prepare(model, torch.optim.AdamW, param_dtype=PARAM_DTYPE, device=_device(), **row_options(row),
+                            **ADAMW)
 
 
 def availability(row: str) -> str | None:
     """None if this build's prepare takes the row, else "not available in this build: <why>".
     Runs on every rank (prepare may communicate); probed on a one-layer model."""
     try:
-        _prepare(row, torch.nn.Linear(4, 4).to(_device()))
+        _prepare(row, torch.nn.Linear(4, 4))
     except (ValueError, TypeError, RuntimeError) as refusal:
         return f"{NOT_AVAILABLE}: {str(refusal).splitlines()[0]}"
     return None
@@ -144,7 +148,7 @@ def run_config(row: str, config: GPTConfig, timed_steps: int = 2, decompose=deco
     device, rank, nd = _device(), dist.get_rank(), dist.get_world_size()
     gc.collect()
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0  # what earlier rows left, if any
-    model, optimizer = _prepare(row, GPT(config, seed=0).to(device))
+    model, optimizer = _prepare(row, GPT(config, seed=0))
     psi = GPT(config).num_params()
     batches = [shard_batch(b, rank, nd) for b in
                token_batches(2 + timed_steps, MICRO_BATCH * nd, config.block_size, config.vocab_size)]
@@ -177,6 +181,8 @@ def _timed_steps(model, optimizer, batches, device) -> dict:
     """Median step time, tokens/s of the global batch, and the bytes this rank sent in the last step."""
     times = []
     for tokens, targets in batches:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the previous step's kernels are not this one's
         dist.barrier()  # time the step, not the wait for the other ranks' previous one
         start = time.perf_counter()
         with zero_lab.CommLedger() as ledger:
@@ -226,9 +232,23 @@ def machine() -> dict:
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-    return dict(cpu=cpu, cores=os.cpu_count(), accelerator=", ".join(gpus) or "none (CPU only)",
+    return dict(cpu=cpu, cores=os.cpu_count(), accelerator=", ".join(_gpu_names()) or "none (CPU only)",
                 torch=torch.__version__, python=platform.python_version(), os=platform.platform())
+
+
+def _gpu_names() -> list[str]:
+    """The machine's GPUs' names, asked of nvidia-smi: torch.cuda.get_device_name would initialise
+    CUDA in this process, and no later zero_lab.launch (a notebook's next cell) could fork ranks."""
+    count = torch.cuda.device_count()  # NVML: leaves CUDA alone
+    if not count:
+        return []
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        listed = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                text=True, timeout=30).stdout.split("\n")
+        names = [name.strip() for name in listed if name.strip()]
+        if names:
+            return names  # the machine's, CUDA_VISIBLE_DEVICES or not
+    return [f"{count} GPU{'s' if count != 1 else ''}"]
 
 
 @dataclass
@@ -248,11 +268,12 @@ def measure(nds=(1, 2, 4), rows=tuple(ROWS), sizes=("S", "M"), fit_budget_mb: fl
     results = {nd: zero_lab.launch(run_rank, nd, rows, sizes, fit_budget, timed_steps, family, decompose, search,
                                    timeout=900)[0]
                for nd in progress(nds)}
-    return _run(results, rows, sizes, fit_budget, timed_steps, family)
+    return _run(results, rows, sizes, fit_budget, timed_steps, family, cuda=zero_lab.placement(max(nds)).gpus > 0)
 
 
-def _run(results, rows, sizes, fit_budget, timed_steps, family=(FIT_DEPTHS, FIT_WIDTHS)) -> Run:
-    cuda = torch.cuda.is_available()
+def _run(results, rows, sizes, fit_budget, timed_steps, family=(FIT_DEPTHS, FIT_WIDTHS), cuda: bool | None = None) -> Run:
+    """cuda: whether the ranks ran on GPUs (default: where zero_lab.placement() puts them)."""
+    cuda = zero_lab.placement().gpus > 0 if cuda is None else cuda
     config = dict(rows={r: {k: str(v) for k, v in row_options(r).items()} for r in rows},
                   sizes={s: asdict(SIZES[s]) for s in sizes}, micro_batch=MICRO_BATCH, param_dtype=str(PARAM_DTYPE),
                   optimizer=f"AdamW {ADAMW}", fit_budget_bytes=fit_budget, fit_depths=family[0],
@@ -463,6 +484,8 @@ def main(argv=None) -> None:
     family = (tuple(args.fit_depths), tuple(args.fit_widths))
     if "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ:  # torchrun: this world size only
         zero_lab.init_distributed()
+        if dist.get_rank() == 0:
+            print(zero_lab.placement())
         results = run_rank(args.rows, args.sizes, budget, family=family)
         if dist.get_rank() == 0:
             run = _run({dist.get_world_size(): results}, args.rows, args.sizes, budget, 2, family)
@@ -470,6 +493,7 @@ def main(argv=None) -> None:
         if int(os.environ["RANK"]) != 0:
             return
     else:
+        print("; ".join(str(zero_lab.placement(nd)) for nd in args.nd))
         run = measure(tuple(args.nd), tuple(args.rows), tuple(args.sizes), args.fit_budget_mb, family=family)
     print(report(run))
     print(f"wrote {save(run, args.json)}")

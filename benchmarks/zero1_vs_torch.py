@@ -4,10 +4,13 @@
 
 Each rank trains three replicas of the same GPT on the same shards (our DDP from lesson 02,
 our stage 1 from lesson 03, torch's ZeroRedundancyOptimizer wrapped around AdamW under torch
-DDP), interleaving their steps so machine noise hits all alike. Prints per step: the
-collectives and bytes each rank sends (comm ledger, ring convention), the median step time
-(forward + backward + communication + AdamW, rank 0) over `--repeats` launches, the ratio to
-torch's, and how far the weights end up from torch's (fp32; sums in another order).
+DDP), interleaving their steps so machine noise hits all alike. The replicas are built on the
+CPU (seed 0) and moved to the rank's device (`zero_lab.rank_device()`: its GPU, or the CPU); the
+batches follow them. Prints where the ranks run, then per step: the collectives and bytes each
+rank sends (comm ledger, ring convention), the median step time (forward + backward +
+communication + AdamW, rank 0, the device synchronized before each reading of the clock) over
+`--repeats` launches, the ratio to torch's, and how far the weights end up from torch's (fp32;
+sums in another order).
 """
 
 from __future__ import annotations
@@ -30,22 +33,25 @@ VERSIONS = ("DDP (ours)", "ZeRO-1 (ours)", "torch ZeRO + DDP")
 LR = 1e-3
 
 
-def build(name: str, model: torch.nn.Module):
-    """(model to call, optimizer) for one version."""
+def build(name: str, model: torch.nn.Module, device: torch.device):
+    """(model to call, optimizer) for one version, the model moved to `device`."""
     if name == "DDP (ours)":
-        return prepare(model, torch.optim.AdamW, stage=0, lr=LR)
+        return prepare(model, torch.optim.AdamW, stage=0, device=device, lr=LR)
     if name == "ZeRO-1 (ours)":
-        return prepare(model, torch.optim.AdamW, stage=1, lr=LR)
+        return prepare(model, torch.optim.AdamW, stage=1, device=device, lr=LR)
     # The causal masks never change: broadcasting them before every forward (the default) would
     # blur the comparison of what the optimizers send.
-    ddp = DistributedDataParallel(model, forward_sync_buffers=False)
+    ddp = DistributedDataParallel(model.to(device), device_ids=[device.index] if device.type == "cuda" else None,
+                                  forward_sync_buffers=False)
     return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
 
 
 def train_side_by_side(steps: int, warmup: int, batch_size: int, config: GPTConfig = CONFIG) -> dict:
-    models = {name: build(name, GPT(config, seed=0)) for name in VERSIONS}
+    device = zero_lab.rank_device()
+    models = {name: build(name, GPT(config, seed=0), device) for name in VERSIONS}
     step_fns = {name: optimizer_step(model, optimizer) for name, (model, optimizer) in models.items()}
-    runs = interleaved_steps(step_fns, token_batches(steps, batch_size, config.block_size, config.vocab_size), warmup)
+    runs = interleaved_steps(step_fns, token_batches(steps, batch_size, config.block_size, config.vocab_size), warmup,
+                             device)
     torch_weights = list(models["torch ZeRO + DDP"][0].parameters())
     results = {}
     for name, run in runs.items():
@@ -70,7 +76,7 @@ def compare(ranks: int = 2, steps: int = 12, warmup: int = 3, repeats: int = 3, 
 
 def table(results: dict, psi: int, ranks: int) -> str:
     reference = results["torch ZeRO + DDP"]["step_ms"]
-    rows = [f"GPT with {psi:,} parameters, {ranks} ranks (CPU, gloo), fp32; DDP's 2(N-1)/N * 4 bytes * psi "
+    rows = [f"GPT with {psi:,} parameters, {ranks} rank{'s' if ranks != 1 else ''}, fp32; DDP's 2(N-1)/N * 4 bytes * psi "
             f"= {2 * (ranks - 1) / ranks * 4 * psi:,.0f} bytes",
             f"{'version':>17} {'bytes sent':>12} {'step ms':>8} {'/ torch':>8} {'max |w - torch|':>16}  collectives (calls)"]
     for name, row in results.items():
@@ -80,10 +86,12 @@ def table(results: dict, psi: int, ranks: int) -> str:
     return "\n".join(rows)
 
 
-def main() -> None:
-    args = benchmark_parser(__doc__.split("\n\n")[0]).parse_args()
-    results = compare(args.ranks, args.steps, args.warmup, args.repeats, args.batch_size)
-    print(table(results, GPT(CONFIG).num_params(), args.ranks))
+def main(argv=None) -> None:
+    args = benchmark_parser(__doc__.split("\n\n")[0]).parse_args(argv)
+    print(zero_lab.placement(args.ranks))
+    config = CONFIG  # looked up now: tests make it tiny
+    results = compare(args.ranks, args.steps, args.warmup, args.repeats, args.batch_size, config)
+    print(table(results, GPT(config).num_params(), args.ranks))
     print(timing_note(args, {name: row["step_ms_all"] for name, row in results.items()}))
 
 

@@ -21,7 +21,12 @@ and the scripts' command-line options and timing note (`benchmark_parser`, `timi
 shared with benchmarks/ddp_vs_torch.py and benchmarks/zero1_vs_torch.py; the FSDP2 scripts
 (benchmarks/zero2_vs_fsdp2.py, zero3_vs_fsdp2.py, offload_vs_fsdp2.py, which lessons 04-06
 load) also share FSDP2's set-up, their table and their `--sizes` sweep (`fsdp2_shard`,
-`fsdp2_table`, `fsdp2_parser`, `fsdp2_sweep`).
+`fsdp2_table`, `fsdp2_parser`, `fsdp2_sweep`). `stage3_vs_fsdp2` is our stage 3 against FSDP2
+in one call (benchmarks/zero3_vs_fsdp2.py's set-up): step-time ratio, and whether the losses match.
+
+The lab bench runs on `zero_lab.rank_device()`: every version's model is built on the CPU (same
+seed, the same weights on every device), then moved there (ours by `prepare(..., device=)`), the
+batches follow it, and the clock is read after the device has finished (`synchronize`).
 
 DeepSpeed versions (ZeRO config options on top of DeepSpeed's defaults):
     "DeepSpeed"             the defaults
@@ -44,12 +49,12 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import zero_lab
 from zero_lab.data import shard_batch, token_batches
-from zero_lab.models import GPT, GPTConfig
+from zero_lab.models import GPT, Block, GPTConfig
 from zero_lab.prepare import prepare
 
 DEEPSPEED_VERSION = "0.19.8"
@@ -79,7 +84,8 @@ def our_stages() -> tuple[int, ...]:
     return (1, 2) if importlib.util.find_spec("zero_lab.zero2") is not None else (1,)
 
 
-def _deepspeed_engine(model, stage: int, micro_batch: int, zero_options: dict, log: io.StringIO):
+def _deepspeed_engine(model, stage: int, micro_batch: int, zero_options: dict, log: io.StringIO,
+                      device: torch.device):
     config = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
@@ -91,7 +97,9 @@ def _deepspeed_engine(model, stage: int, micro_batch: int, zero_options: dict, l
     with _captured(log):
         import deepspeed
 
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+        # On a GPU, DeepSpeed's device is args.device_rank, else cuda:LOCAL_RANK: none such when ranks share a GPU.
+        args = argparse.Namespace(device_rank=device.index) if device.type == "cuda" else None
+        engine, *_ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(), config=config,
                                           dist_init_required=False)
     for handler in deepspeed.utils.logger.handlers:  # made during the import: later warnings go to stdout again
         if getattr(handler, "stream", None) is log:
@@ -136,22 +144,29 @@ def train_side_by_side(stages, steps: int, warmup: int, batch_size: int, config:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if batch_size % world_size:
         raise ValueError(f"the global batch of {batch_size} rows must split evenly over {world_size} ranks")
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = zero_lab.rank_device()
     warnings.filterwarnings("ignore", message=".*is deprecated. Please use", category=FutureWarning)
     log = io.StringIO()
     step_fns = {}
     for stage in stages:
-        model, optimizer = prepare(GPT(config, seed=0).to(device), torch.optim.AdamW, stage=stage, **ADAMW)
+        model, optimizer = prepare(GPT(config, seed=0), torch.optim.AdamW, stage=stage, device=device, **ADAMW)
         step_fns[stage, OURS] = optimizer_step(model, optimizer)
         for name in versions:
             engine = _deepspeed_engine(GPT(config, seed=0).to(device), stage, batch_size // world_size,
-                                       DEEPSPEED_VERSIONS[name], log)
+                                       DEEPSPEED_VERSIONS[name], log, device)
             step_fns[stage, name] = _deepspeed_step(engine)
     batches = token_batches(steps, batch_size, config.block_size, config.vocab_size, seed=0)
     runs = interleaved_steps(step_fns, batches, warmup, device)
     return dict(runs={key: dict(losses=run["losses"], ledgers=[ledger.summary() for ledger in run["ledgers"]],
                                 step_ms=run["step_ms"]) for key, run in runs.items()},
                 deepspeed_log=log.getvalue())
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until `device` has finished the work queued so far (a no-op on the CPU): before
+    reading the clock, since a GPU runs its kernels after Python has moved on."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def interleaved_steps(steps: dict, batches, warmup: int, device: torch.device | None = None) -> dict:
@@ -162,31 +177,36 @@ def interleaved_steps(steps: dict, batches, warmup: int, device: torch.device | 
     tensor or a float), or None. The versions take turns on the same shard, in an order that
     rotates every batch so that machine noise hits all alike; the ranks meet at a barrier
     before each step, so the clock measures the step, not the wait for the other ranks'
-    previous one, and each step runs inside its own `CommLedger`.
+    previous one, and each step runs inside its own `CommLedger`. device: where the models are,
+    which the shards are moved to (default `zero_lab.rank_device()`); the clock starts and stops
+    with the device idle.
 
     Returns {version: dict(losses, ledgers, times, step_ms)}: per step the loss (a float, or
     None) and the CommLedger; the step times in seconds; step_ms, the median step time in
     milliseconds over the steps after the first `warmup`.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = zero_lab.rank_device() if device is None else torch.device(device)
     names = list(steps)
     runs = {name: dict(losses=[], ledgers=[], times=[]) for name in names}
     for index, batch in enumerate(batches):
-        tokens, targets = shard_batch(batch, rank, world_size)
-        if device is not None:
-            tokens, targets = tokens.to(device), targets.to(device)
+        tokens, targets = (t.to(device) for t in shard_batch(batch, rank, world_size))
         for name in names[index % len(names):] + names[:index % len(names)]:
             run = runs[name]
+            synchronize(device)  # the previous step's (and the copy's) kernels are not this one's
             dist.barrier()  # time the step, not the wait for the other ranks' previous one
             start = time.perf_counter()
             with zero_lab.CommLedger() as ledger:
                 loss = steps[name](tokens, targets)
                 if isinstance(loss, torch.Tensor):
-                    loss = loss.item()  # on a GPU: waits for the step to finish
+                    loss = loss.item()  # on a GPU: waits for the step's kernels so far
+                synchronize(device)  # and for all of them, whatever the step returned
             run["times"].append(time.perf_counter() - start)
             run["losses"].append(loss)
             run["ledgers"].append(ledger)
     for run in runs.values():
+        if len(run["times"]) <= warmup:
+            raise ValueError(f"{warmup} warm-up steps leave none of the {len(run['times'])} steps to time")
         run["step_ms"] = 1e3 * statistics.median(run["times"][warmup:])
     return runs
 
@@ -295,31 +315,43 @@ def table(comparison: dict) -> str:
     """The comparison as text: one row per (stage, version)."""
     ranks, psi, results = comparison["ranks"], comparison["psi"], comparison["results"]
     formula = 2 * (ranks - 1) / ranks * psi * 4
-    rows = [f"GPT with psi = {psi:,} parameters, {ranks} ranks, fp32 AdamW; "
+    rows = [f"GPT with psi = {psi:,} parameters, {ranks} rank{'s' if ranks != 1 else ''}, fp32 AdamW; "
             f"ZeRO's 2(N-1)/N * psi * 4 bytes = {formula:,.0f}",
             f"{'stage':>5} {'version':>17} {'bytes/step':>11} {'/ formula':>9} {'step ms':>8} {'/ ours':>7} "
             f"{'max |loss - ours|':>18}  collectives per step: calls, bytes sent"]
     for (stage, name), row in results.items():
         calls = ", ".join(f"{kind} x{calls} {sent:,.0f}" for kind, (calls, sent) in sorted(row["collectives"].items()))
-        rows.append(f"{stage:>5} {name:>17} {row['sent_bytes']:>11,.0f} {row['sent_bytes'] / formula:>9.3f} "
+        rows.append(f"{stage:>5} {name:>17} {row['sent_bytes']:>11,.0f} {ratio(row['sent_bytes'], formula):>9} "
                     f"{row['step_ms']:>8.1f} {row['time_vs_ours']:>7.2f} {row['max_loss_diff']:>18.1e}  {calls}")
     return "\n".join(rows)
 
 
-def fsdp2_shard(model: torch.nn.Module, **options) -> torch.nn.Module:
+def ratio(numerator: float, denominator: float, digits: int = 3) -> str:
+    """numerator / denominator as text, or "—" when the denominator is 0 (one rank sends no bytes)."""
+    return f"{numerator / denominator:.{digits}f}" if denominator else "—"
+
+
+def fsdp2_shard(model: torch.nn.Module, device: torch.device | None = None, **options) -> torch.nn.Module:
     """FSDP2's `fully_shard(**options)` on every block of the GPT and on the root (the embeddings,
-    the final LayerNorm and the tied head): one all-gather and one reduce-scatter per block."""
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    the final LayerNorm and the tied head): one all-gather and one reduce-scatter per block.
+
+    The model is moved to `device` first (default `zero_lab.rank_device()`); the mesh is of that
+    device's type over the launcher's process group, whatever carries its tensors (on one GPU
+    shared by several ranks, gloo: FSDP2's collectives of CUDA tensors go through it too)."""
+    device = zero_lab.rank_device() if device is None else torch.device(device)
+    model.to(device)
+    mesh = DeviceMesh.from_group(dist.distributed_c10d._get_default_group(), device.type)
     for block in model.transformer.h:
         fully_shard(block, mesh=mesh, **options)
     return fully_shard(model, mesh=mesh, **options)
 
 
 def fsdp2_weight_diff(ours, fsdp2: torch.nn.Module) -> float:
-    """Largest |difference| between our whole parameters `ours` and FSDP2's model's, over all ranks."""
+    """Largest |difference| between our whole parameters `ours` and FSDP2's model's, over all ranks
+    (FSDP2's fp32 shards rounded to our parameters' dtype: bf16 under mixed precision)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     # FSDP2's parameters are DTensors whose local part is this rank's chunk of dim 0.
-    diffs = [(torch.chunk(a.detach(), world_size)[rank] - b.to_local()).abs().max()
+    diffs = [(torch.chunk(a.detach(), world_size)[rank] - b.to_local().to(a.dtype)).float().abs().max()
              for a, b in zip(ours, fsdp2.parameters()) if b.to_local().numel()]
     largest = torch.stack(diffs).max()
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
@@ -328,17 +360,23 @@ def fsdp2_weight_diff(ours, fsdp2: torch.nn.Module) -> float:
 
 def fsdp2_table(result: dict, psi: int, ranks: int, versions, volume: tuple[str, float], notes=()) -> str:
     """Ours next to FSDP2 (versions[1]): bytes each rank sends per step, their ratio to the paper's
-    volume (name, elements per parameter in units of (N-1)/N), step time and its ratio to FSDP2's."""
+    volume (its formula before "* bytes * psi", elements per parameter in units of (N-1)/N; "—" with one rank, which sends
+    nothing), step time and its ratio to FSDP2's. result["dtype"] (default "float32"): the
+    parameters' dtype while they travel, whose size the volume counts."""
     name_width = max(map(len, versions))
     volume_name, factor = volume
-    volume_bytes = factor * (ranks - 1) / ranks * 4 * psi
-    rows = [f"GPT with {psi:,} parameters, {ranks} ranks (CPU, gloo), fp32 AdamW; {volume_name} = {volume_bytes:,.0f} bytes",
+    dtype = result.get("dtype", "float32")
+    element_bytes = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    volume_bytes = factor * (ranks - 1) / ranks * element_bytes * psi
+    precision = "fp32" if dtype == "float32" else f"{dtype} parameters and gradients, fp32 masters and"
+    rows = [f"GPT with {psi:,} parameters, {ranks} rank{'s' if ranks != 1 else ''}, {precision} AdamW; "
+            f"{volume_name} * {element_bytes} bytes * psi = {volume_bytes:,.0f} bytes",
             f"{'version':>{name_width}} {'bytes sent':>12} {'/ volume':>8} {'step ms':>8} {'/ FSDP2':>8}  collectives (calls)"]
     fsdp2_ms = result[versions[1]]["step_ms"]
     for name in versions:
         row = result[name]
-        calls = ", ".join(f"{kind} {calls}" for kind, (calls, _) in sorted(row["collectives"].items()))
-        rows.append(f"{name:>{name_width}} {row['sent_bytes']:>12,.0f} {row['sent_bytes'] / volume_bytes:>8.3f} "
+        calls = ", ".join(f"{kind} {calls}" for kind, (calls, _) in sorted(row["collectives"].items())) or "none"
+        rows.append(f"{name:>{name_width}} {row['sent_bytes']:>12,.0f} {ratio(row['sent_bytes'], volume_bytes):>8} "
                     f"{row['step_ms']:>8.1f} {row['step_ms'] / fsdp2_ms:>8.2f}  {calls}")
     differences = f"largest loss difference over {len(result[versions[0]]['losses'])} steps: {result['max_loss_diff']:.1e}"
     if "max_weight_diff" in result:
@@ -355,8 +393,9 @@ def fsdp2_parser(doc: str) -> argparse.ArgumentParser:
 
 
 def fsdp2_sweep(args: argparse.Namespace, compare, table, versions, **options) -> dict:
-    """Run a script's `compare` at each of args.sizes and print its table; with several sizes, then
-    the step-time ratio ours / FSDP2 per size. Returns {size: result}."""
+    """Say where the ranks run, run a script's `compare` at each of args.sizes and print its table;
+    with several sizes, then the step-time ratio ours / FSDP2 per size. Returns {size: result}."""
+    print(zero_lab.placement(args.ranks))
     results = {}
     for size in args.sizes:
         config = SIZES[size]
@@ -371,3 +410,82 @@ def fsdp2_sweep(args: argparse.Namespace, compare, table, versions, **options) -
             ours, fsdp2 = (result[name]["step_ms"] for name in versions[:2])
             print(f"{size:>5} {GPT(SIZES[size]).num_params():>11,} {ours:>8.1f} {fsdp2:>9.1f} {ours / fsdp2:>13.2f}")
     return results
+
+
+# --- our stage 3 against FSDP2 (benchmarks/zero3_vs_fsdp2.py, zero3_profile.py; a GPU check imports it) ---
+
+ZERO3_VERSIONS = ("ZeRO-3 (ours)", "FSDP2 (ZeRO-3 mode)")
+ZERO3_LR = 1e-3
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# The largest |loss difference| over the steps that still counts as the same training: fp32 sums
+# in another order differ in the last bits; bf16's 8-bit mantissa rounds ~0.4% of a loss of ~5.5.
+LOSS_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+
+
+def zero3_build(name: str, model: torch.nn.Module, prefetch: int = 1, dtype: torch.dtype = torch.float32,
+                device: torch.device | None = None):
+    """(model, optimizer) for one of ZERO3_VERSIONS, with the same sharding units (one per
+    transformer block; the root holds the embeddings, the final LayerNorm and the tied head): ours
+    by `prepare(..., stage=3, units=(Block,))`, FSDP2's by `fully_shard(reshard_after_forward=True)`
+    on every block and on the root. The model is moved to `device` (default zero_lab.rank_device()).
+    dtype: the parameters' and gradients' dtype in forward, backward and the collectives (fp32
+    masters and AdamW either way): torch.float32 or torch.bfloat16."""
+    device = zero_lab.rank_device() if device is None else torch.device(device)
+    if dtype not in LOSS_TOLERANCE:
+        raise ValueError(f"dtype must be one of {list(LOSS_TOLERANCE)}, got {dtype}")
+    mixed = dtype != torch.float32
+    if name == ZERO3_VERSIONS[0]:
+        return prepare(model, torch.optim.AdamW, stage=3, units=(Block,), prefetch=prefetch, device=device,
+                       lr=ZERO3_LR, **(dict(param_dtype=dtype) if mixed else {}))
+    fsdp2_shard(model, device, reshard_after_forward=True,
+                **(dict(mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)) if mixed else {}))
+    return model, torch.optim.AdamW(model.parameters(), lr=ZERO3_LR)
+
+
+def zero3_side_by_side(steps: int, warmup: int, batch_size: int, config: GPTConfig = SIZES["0.8M"], prefetch: int = 1,
+                       dtype: torch.dtype = torch.float32) -> dict:
+    """Runs on every rank: both ZERO3_VERSIONS of the same GPT (seed 0) on rank_device(), their
+    steps interleaved. Returns this rank's max_weight_diff at the end, dtype, and per version its
+    last step's collectives and bytes sent, its median step time and its losses."""
+    device = zero_lab.rank_device()
+    models = {name: zero3_build(name, GPT(config, seed=0), prefetch, dtype, device) for name in ZERO3_VERSIONS}
+    step_fns = {name: optimizer_step(model, optimizer) for name, (model, optimizer) in models.items()}
+    runs = interleaved_steps(step_fns, token_batches(steps, batch_size, config.block_size, config.vocab_size), warmup,
+                             device)
+    (ours, optimizer), (fsdp2, _) = models.values()
+    with optimizer.gathered_parameters():
+        result = {"max_weight_diff": fsdp2_weight_diff(ours.parameters(), fsdp2),
+                  "dtype": str(dtype).removeprefix("torch.")}
+    for name, run in runs.items():
+        result[name] = dict(**ledger_figures(run["ledgers"][-1].summary()), step_ms=run["step_ms"], losses=run["losses"])
+    return result
+
+
+def stage3_vs_fsdp2(ranks: int = 2, steps: int = 6, sizes=("0.8M",), dtype=torch.float32, *, warmup: int = 2,
+                    repeats: int = 1, batch_size: int = 16, prefetch: int = 1, tolerance: float | None = None,
+                    progress=lambda iterable: iterable) -> dict:
+    """Our stage 3 against FSDP2 in its ZeRO-3 mode, on `ranks` ranks where zero_lab.launch puts
+    them (zero_lab.placement), for `steps` steps of the same GPT at each size.
+
+    sizes: names of SIZES, or {name: GPTConfig}; dtype: torch.float32 or torch.bfloat16 (or "fp32",
+    "bf16"); step times: the median over `repeats` launches of rank 0's median after `warmup` steps.
+    Returns dict(placement, dtype, steps, tolerance, sizes={size: dict(psi, ours_ms, fsdp2_ms,
+    ratio (ours / FSDP2 step time), max_loss_diff (rank 0's losses), max_weight_diff, losses_match
+    (max_loss_diff <= tolerance; default LOSS_TOLERANCE[dtype]), result (benchmarks/zero3_vs_fsdp2.py's
+    figures))}).
+    """
+    dtype = DTYPES.get(dtype, dtype)
+    if dtype not in LOSS_TOLERANCE:
+        raise ValueError(f"dtype must be one of {list(LOSS_TOLERANCE)} or {list(DTYPES)}, got {dtype!r}")
+    tolerance = LOSS_TOLERANCE[dtype] if tolerance is None else tolerance
+    configs = dict(sizes) if isinstance(sizes, dict) else {size: SIZES[size] for size in sizes}
+    compared = {}
+    for size, config in configs.items():
+        result = median_over_launches(zero3_side_by_side, ZERO3_VERSIONS, ranks, repeats, steps, warmup, batch_size,
+                                      config, prefetch, dtype, progress=progress)
+        ours_ms, fsdp2_ms = (result[name]["step_ms"] for name in ZERO3_VERSIONS)
+        compared[size] = dict(psi=GPT(config).num_params(), ours_ms=ours_ms, fsdp2_ms=fsdp2_ms, ratio=ours_ms / fsdp2_ms,
+                              max_loss_diff=result["max_loss_diff"], max_weight_diff=result["max_weight_diff"],
+                              losses_match=result["max_loss_diff"] <= tolerance, result=result)
+    return dict(placement=str(zero_lab.placement(ranks)), dtype=str(dtype).removeprefix("torch."), steps=steps,
+                tolerance=tolerance, sizes=compared)
