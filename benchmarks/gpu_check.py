@@ -156,13 +156,22 @@ def check_link(device: str, quick: bool) -> list[dict]:
 
 
 def check_fsdp2(device: str, quick: bool) -> list[dict]:
-    from zero_lab.side_by_side import stage3_vs_fsdp2
+    from zero_lab.models import GPTConfig
+    from zero_lab.side_by_side import SIZES, stage3_vs_fsdp2
 
+    sizes = {"tiny": GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=16, block_size=16)} if quick else \
+        {name: SIZES[name] for name in ("0.8M", "7M")}
+    rows = []
     with _device_variable(device):
-        result = stage3_vs_fsdp2(ranks=2, steps=3 if quick else 8)
-    return [_row("fsdp2", "stage 3 losses = FSDP2's", f"largest difference {result['loss_difference']:.1e}",
-                 "≤ 1e-4", result["loss_difference"] <= 1e-4),
-            _row("fsdp2", "stage 3 step time / FSDP2's", f"{result['time_ratio']:.2f}", "measured", True)]
+        for dtype in (torch.float32,) if quick else (torch.float32, torch.bfloat16):
+            result = stage3_vs_fsdp2(ranks=2, steps=4 if quick else 8, sizes=sizes, dtype=dtype)
+            for size, figures in result["sizes"].items():
+                what = f"GPT {size} ({figures['psi']:,} parameters), {result['dtype']}"
+                rows.append(_row("fsdp2", f"{what}: losses, ours - FSDP2's", f"{figures['max_loss_diff']:.1e}",
+                                 f"≤ {result['tolerance']:g}", figures["losses_match"]))
+                rows.append(_row("fsdp2", f"{what}: step time, ours / FSDP2's", f"{figures['ratio']:.2f}",
+                                 "measured", True))
+    return rows
 
 
 CHECKS = {"training": check_training, "memory": check_memory, "link": check_link, "fsdp2": check_fsdp2}
