@@ -120,7 +120,8 @@ class Link:
         # In the order they were sent (one stream: they arrive in that order), so that sums do not depend on timing.
         while self.arriving and (wait or self.arriving[0][0].ready()):
             transfer, add_to = self.arriving.pop(0)
-            add_to.add_(transfer.host_wait())  # fp32 += 16-bit: widened exactly
+            arrived = transfer.host_wait() if wait else transfer.tensor  # ready: nothing to wait for
+            add_to.add_(arrived)  # fp32 += 16-bit: widened exactly
 
     def _copy(self, direction: str, destination: torch.Tensor, source: torch.Tensor, after) -> Transfer:
         record_transfer(direction, source)
