@@ -87,7 +87,7 @@ class OffloadCheckpoints:
         self.flush()
 
     def _own_weights(self, group: FlatGroup) -> torch.Tensor:
-        return self.link.to_host(group.flat_param[slice(*group.layout.shard(self.rank))]).host_wait().host_wait().host_wait()
+        return self.link.to_host(group.flat_param[slice(*group.layout.shard(self.rank))]).host_wait()
 
     def _adopt_edited_weights(self) -> None:
         edited = any(self._edited(g, versions) for g, versions in zip(self.groups, self.weight_versions))
