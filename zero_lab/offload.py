@@ -87,7 +87,7 @@ class OffloadCheckpoints:
         self.flush()
 
     def _own_weights(self, group: FlatGroup) -> torch.Tensor:
-        return self.link.to_host(group.flat_param[slice(*group.layout.shard(self.rank))])
+        return self.link.to_host(group.flat_param[slice(*group.layout.shard(self.rank))]).host_wait()
 
     def _adopt_edited_weights(self) -> None:
         edited = any(self._edited(g, versions) for g, versions in zip(self.groups, self.weight_versions))
@@ -297,7 +297,7 @@ class Zero1Offload(_Offload, Zero1Optimizer):
     def _send_gradients(self) -> None:
         """Reduce-scatter the device's gradients (lesson 03) and copy each shard down into host_grads."""
         for host_grad, shard in zip(self.host_grads, self.reduce_gradients()):
-            host_grad.copy_(self.link.to_host(shard))
+            host_grad.copy_(self.link.to_host(shard).host_wait())
 
     def _device_gradients(self) -> list[torch.Tensor]:
         return [g.flat_grad for g in self.groups]
@@ -320,6 +320,7 @@ class Zero2Offload(_Offload, Zero2Optimizer):
 
     def _host_gradients(self) -> list[torch.Tensor]:
         self.shards_used = True  # as in lesson 04: a backward before zero_grad() raises
+        self.link.wait_downloads()  # the pieces sent during backward, added in: the host reads them now
         return self.host_grads
 
     def _device_gradients(self) -> list[torch.Tensor]:
@@ -328,6 +329,7 @@ class Zero2Offload(_Offload, Zero2Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the host gradient shards (set_to_none is ignored: they are reused)."""
+        self.link.wait_downloads()  # no piece may land after the zeros
         for grad in self.host_grads:
             grad.zero_()
         self.shards_used = False
