@@ -262,16 +262,16 @@ def test_the_hangs_become_ranks_hung_within_seconds_naming_the_odd_rank_out():
         launch(namespace["branchy_case"], 3, namespace["forward_branchy"], {1}, timeout=4)
     assert sorted(hung.value.stuck) == [0, 2] and all("all_gather" in where for where in hung.value.stuck.values())
     with pytest.raises(zero_lab.RanksHung) as hung:
-        launch(namespace["save_on_rank0_only"], 3, timeout=4)
+        launch(namespace["save_checkpoint_case"], 3, timeout=4)
     assert sorted(hung.value.stuck) == [0]
     with pytest.raises(zero_lab.RanksHung) as hung:
-        launch(namespace["unused_case"], 3, namespace["sync_present_grads"], {0, 2}, timeout=4)
+        launch(namespace["unused_case"], 3, namespace["sync_after_backward"], {0, 2}, timeout=4)
     assert sorted(hung.value.stuck) == [0, 2] and all("all_reduce" in where for where in hung.value.stuck.values())
 
 
 def test_the_sticky_scaler_skips_every_step_after_one_overflow_and_the_loss_stays_flat():
     namespace, _ = _notebook_namespace()
-    for history in launch(namespace["loss_scale_case"], 2, namespace["StickyScaler"], 8, timeout=30):
+    for history in launch(namespace["loss_scale_case"], 2, namespace["ReproScaler"], 8, timeout=30):
         assert [scale for scale, _, _ in history] == [2.0 ** (16 - step) for step in range(8)]
         assert not any(stepped for _, stepped, _ in history) and len({loss for _, _, loss in history}) == 1
 
@@ -279,17 +279,17 @@ def test_the_sticky_scaler_skips_every_step_after_one_overflow_and_the_loss_stay
 def test_offload_state_made_like_the_gradient_drifts_here_and_the_first_patch_fails():
     namespace, _ = _notebook_namespace()
     expected = namespace["one_process_adamw"]()
-    full, masters_at, state_at = launch(namespace["offload_case"], 2, namespace["step_with_state_like_grad_"], timeout=30)[0]
+    full, masters_at, state_at = launch(namespace["offload_case"], 2, namespace["host_step_"], timeout=30)[0]
     assert set(masters_at) == {"cpu/float32"} and set(state_at) == {"cpu/bfloat16"}
     assert max((a - b).abs().max().item() for a, b in zip(full, expected)) > 1e-5, "bf16 moments drift far beyond fp32 rounding"
     with pytest.raises(zero_lab.RankFailed, match="expected dtype"):
-        launch(namespace["offload_case"], 2, namespace["step_with_grads_upcast_"], timeout=30)
+        launch(namespace["offload_case"], 2, namespace["host_step_grads_cast_"], timeout=30)
 
 
 def test_the_accumulation_repro_sends_k_times_one_sync():
     namespace, _ = _notebook_namespace()
     psi = sum(p.numel() for p in small_mlp(0).parameters())
-    for sent, _ in launch(namespace["accumulation_case"], 4, namespace["sync_every_micro_step"], 4, timeout=30):
+    for sent, _ in launch(namespace["accumulation_case"], 4, namespace["ddp_like_accumulation"], 4, timeout=30):
         assert sent == namespace["sync_bytes_per_step"](psi, 4, 4, every_micro_step=True) == 4 * Fraction(2 * 3 * psi * 4, 4)
 
 
@@ -361,6 +361,23 @@ MUTANTS = {
                            "_foreach_addcdiv_(params, exp_avgs, denom, value=-lr)"),
     "the stuck rank named as the culprit": ("diagnosis_branches", 'collective="all_gather", rank=1)', 'collective="all_gather", rank=0)'),
     "order mismatch for an unused parameter": ("diagnosis_unused", 'Diagnosis(cause="unused-parameter"', 'Diagnosis(cause="collective-order-mismatch"'),
+    # the fixes whose exercises state a contract rather than the calls
+    "all-gather on every rank": ("full_state_on_rank0", "        pieces = [torch.empty_like(shard) for _ in range(world_size)] if rank == 0 else None\n"
+                                 "        dist.gather(shard, pieces, dst=0)\n",
+                                 "        pieces = [torch.empty_like(shard) for _ in range(world_size)]\n        dist.all_gather(pieces, shard)\n"),
+    "gradients summed, not averaged": ("accumulate_then_sync", "        p.grad.div_(world_size)\n", ""),
+    "the same shuffle every step": ("rank_batch_indices", "manual_seed(seed + step)", "manual_seed(seed)"),
+    "rows drawn with replacement": ("rank_batch_indices", "order = torch.randperm(num_samples, generator=",
+                                    "order = torch.randint(num_samples, (num_samples,), generator="),
+    "a block of each rank's own shuffle": ("rank_batch_indices", "    return order[:global_batch][rank * per_rank:(rank + 1) * per_rank]\n",
+                                           "    return torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed + step + rank))[:per_rank]\n"),
+    "the gradient all-reduced": ("overflow_anywhere",
+                                 "    flag = torch.tensor([0.0 if bool(torch.isfinite(grad_shard).all()) else 1.0])\n"
+                                 "    dist.all_reduce(flag, op=dist.ReduceOp.MAX)\n    return bool(flag.item())\n",
+                                 "    total = grad_shard.float().abs()\n    dist.all_reduce(total)\n"
+                                 "    return not bool(torch.isfinite(total).all())\n"),
+    "scale grown one clean step late": ("loss_scaler", "        if self.clean_steps == self.growth_interval:\n            self.scale *= 2\n",
+                                        "        if self.clean_steps > self.growth_interval:\n            self.scale *= 2\n"),
 }
 
 

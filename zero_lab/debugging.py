@@ -1,23 +1,15 @@
 # Generated from solutions/11_debugging/11_debugging.ipynb by `zero-lab build`: edit the notebook, not this file.
 
-"""Lesson 11: real distributed-training failures, reproduced small, diagnosed and fixed.
+"""Lesson 11: distributed-training failures, reproduced small, diagnosed and fixed.
 
-Diagnosis                    a diagnosis as data: a cause from CAUSES, a collective, a rank
-layer_weights, shard_of      full weights from a seed; a rank's padded slice of one (ZeRO-3/FSDP storage)
-gather_full                  all-gather the shards of a tensor back into the full tensor
-forward_every_rank_gathers   case 1: data-dependent branches, the same collectives on every rank
-full_state_on_rank0          case 2: a consolidated state dict that every rank helps gather
-clip_sharded_grads_          case 3: gradient clipping with sharded and replicated gradients
-accumulate_then_sync         case 4: k micro-batches, one gradient all-reduce
-broadcast_model_             case 5: every rank starts from rank 0's weights and buffers
-rank_batch_indices           case 6: one shuffle shared by all ranks, a disjoint slice each
-overflow_anywhere            case 7: one skip decision for all ranks
-sync_batch_norm              case 8: batch statistics over the global batch
-sync_grads_                  case 9: gradient averaging when some ranks used a parameter and some did not
-partition_, gathered_params  case 10: ZeRO-3's empty placeholders, and the context that fills them
-OpCounter, adamw_foreach_    case 11: operator calls per step; AdamW with a constant number of them
-DynamicLossScaler            case 12: fp16 loss scaling that skips, halves and grows back (train_fp16 drives it)
-offload_adamw_step_          case 13: a host AdamW step with its state where the master weights live
+Diagnosis, CAUSES, COLLECTIVES   a diagnosis as data: a cause from the vocabulary, a collective, a rank
+layer_weights, shard_of          full weights from a seed; a rank's padded slice of one (ZeRO-3/FSDP storage)
+gather_full                      all-gather the shards of a tensor back into the full tensor
+and, case by case in the notebook's order, the helpers of each repro and its fix:
+forward_every_rank_gathers (1), full_state_on_rank0 (2), clip_sharded_grads_ (3), accumulate_then_sync (4),
+broadcast_model_ (5), rank_batch_indices (6), overflow_anywhere (7), sync_batch_norm (8), sync_grads_ (9),
+partition_ and gathered_params (10), OpCounter and adamw_foreach_ (11), DynamicLossScaler (12),
+offload_adamw_step_ (13).
 """
 
 import math
@@ -29,23 +21,26 @@ import torch.distributed as dist
 from torch.optim.adamw import adamw as functional_adamw  # the function behind torch.optim.AdamW
 from torch.utils._python_dispatch import TorchDispatchMode
 
-CAUSES = {
-    "divergent-control-flow": "ranks ran different code paths in forward, so they issued different collectives",
+CAUSES = {  # in alphabetical order; several words fit no case of this lesson
     "collective-on-one-rank": "a collective was called on some ranks only (under `if rank == 0:`)",
     "collective-order-mismatch": "every rank issued the same collectives, but in different orders",
-    "local-grad-norm": "a norm computed from one rank's part of the gradient was used as the global norm",
-    "missing-average": "gradients were summed over ranks where they should have been averaged",
-    "sync-every-microstep": "gradients were reduced after every micro-batch of an accumulation",
-    "never-synced": "gradients were never reduced across ranks",
-    "unsynchronized-init": "ranks started training from different weights",
-    "same-seed-every-rank": "ranks drew the same random numbers (same data, same dropout masks)",
-    "local-overflow-check": "each rank decided on its own whether the step overflowed",
+    "divergent-control-flow": "ranks ran different code paths, so they issued different collectives",
+    "gradient-overflow": "the gradients really are too large for the format: the model diverged",
     "local-batch-statistics": "normalisation statistics were computed from one rank's rows only",
-    "unused-parameter": "a parameter got no gradient on some rank, so that rank skipped its reduction",
-    "read-outside-gather": "a sharded parameter was read where only its empty placeholder exists",
+    "local-grad-norm": "a norm computed from one rank's part of the gradient was used as the global norm",
+    "local-overflow-check": "each rank decided on its own whether the step overflowed",
+    "lr-not-scaled": "the learning rate was not adapted to the global batch size",
+    "missing-average": "gradients were summed over ranks where they should have been averaged",
+    "never-synced": "gradients were never reduced across ranks",
     "per-parameter-loop": "a step issued a few small operations per tensor, in Python",
+    "read-outside-gather": "a sharded parameter was read where only its empty placeholder exists",
+    "same-seed-every-rank": "ranks drew the same random numbers (same data, same dropout masks)",
+    "shape-mismatch": "ranks passed tensors of different sizes to the same collective",
     "stale-overflow-flag": "an overflow found in one step was never cleared, so later steps count as overflows too",
     "state-like-gradient": "optimizer state was created like the gradient (its device, dtype), not like the master weights",
+    "sync-every-microstep": "gradients were reduced after every micro-batch of an accumulation",
+    "unsynchronized-init": "ranks started training from different weights",
+    "unused-parameter": "a parameter got no gradient on some rank, so that rank skipped its reduction",
     "wrong-dtype": "a tensor had the wrong precision",
 }
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "gather", "barrier")
