@@ -365,7 +365,8 @@ MUTANTS = {
     "all-gather on every rank": ("full_state_on_rank0", "        pieces = [torch.empty_like(shard) for _ in range(world_size)] if rank == 0 else None\n"
                                  "        dist.gather(shard, pieces, dst=0)\n",
                                  "        pieces = [torch.empty_like(shard) for _ in range(world_size)]\n        dist.all_gather(pieces, shard)\n"),
-    "gradients summed, not averaged": ("accumulate_then_sync", "        p.grad.div_(world_size)\n", ""),
+    "gradients summed, not averaged": ("accumulate_then_sync", "    for p in model.parameters():\n        dist.all_reduce(p.grad)\n        p.grad.div_(world_size)\n",
+                                       "    for p in model.parameters():\n        dist.all_reduce(p.grad)\n"),
     "the same shuffle every step": ("rank_batch_indices", "manual_seed(seed + step)", "manual_seed(seed)"),
     "rows drawn with replacement": ("rank_batch_indices", "order = torch.randperm(num_samples, generator=",
                                     "order = torch.randint(num_samples, (num_samples,), generator="),
