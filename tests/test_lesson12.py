@@ -129,7 +129,9 @@ def test_flops_per_rank_redundancy_and_imbalance():
     for world_size in (2, 3, 4):
         own, gather = ns_flops_per_rank("own", shapes, world_size), ns_flops_per_rank("gather", shapes, world_size)
         assert sum(own) == total  # each matrix once
-        assert sum(gather) > total  # matrices cut by a shard boundary, twice
+        # matrices cut by a shard boundary, twice: at 2 and 3 ranks this GPT's boundaries fall between matrices
+        assert sum(gather) > total if world_size == 4 else sum(gather) == total
+        assert max(own) > total / world_size if world_size == 4 else max(own) < 1.03 * total / world_size
 
 
 def test_refusals_name_what_is_supported():
