@@ -55,3 +55,11 @@ def graded_cell_with(lesson: str, test_id: str, old: str, new: str) -> tuple[dic
         elif source.startswith("#| test"):  # helpers other cells share, without running their checks
             _define_helpers(source, namespace)
     return namespace, next(s for s in cells if s.startswith(f"#| test {test_id} "))
+
+
+def assert_reference_full_and_learner_zero(graded, lesson: str, points: int) -> None:
+    """The reference earns all `points`, hidden tests included; the untouched learner edition nothing, with a reason."""
+    report = graded(lesson, "solution")
+    assert report.total == (points, points), report.scores
+    learner = graded(lesson, "learner")
+    assert all(s.earned == 0 and s.reason for s in learner.scores), learner.scores

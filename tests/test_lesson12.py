@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from graded_cells import assert_mutant_fails
+from graded_cells import assert_mutant_fails, assert_reference_full_and_learner_zero
 import zero_lab
 from zero_lab import launch
 from zero_lab.course_tools import questions
@@ -221,7 +221,4 @@ def test_typical_mistakes_fail_their_graded_cell(mutant):
 
 
 def test_hidden_tests_are_worth_points(graded):
-    report = graded(LESSON, "solution")
-    assert report.total == (20, 20), report.scores
-    learner = graded(LESSON, "learner")
-    assert all(s.earned == 0 and s.reason for s in learner.scores), learner.scores
+    assert_reference_full_and_learner_zero(graded, LESSON, 20)

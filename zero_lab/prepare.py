@@ -41,6 +41,11 @@ Options besides the optimizer's own (lr, betas, weight_decay, ...):
     cpu_adam=       with offload: "compiled" (default: one compiled C pass, torch's fused AdamW's
                     results; torch's operations if no C compiler) or "torch" (bit for bit stage 1-2's AdamW)
     adam_threads=   with offload: threads of the host's AdamW (default 1)
+    muon_sharding=, adamw=
+                    stage 1 with torch.optim.Muon (lesson 12, zero_lab.muon): "gather" (momentum in flat shards,
+                    each matrix's direction all-gathered) or "own" (whole matrices owned by ranks); Muon for the
+                    2-D hidden weights, AdamW with the options in adamw= for embeddings, norms and biases; fp32.
+                    Other optimizers that need whole matrices (Adafactor), and Muon at stages 2-3, are refused
 Defaults keep the model's dtype. Anything else is refused with an error that names the fix.
 Call it on every rank, inside zero_lab.launch or after zero_lab.init_distributed().
 
