@@ -14,7 +14,8 @@ HELPERS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Import, ast.
 
 
 def assert_mutant_fails(lesson: str, old: str, new: str, test_id: str) -> None:
-    """The notebook's untagged code cells with `old` replaced by `new`; the cell `#| test test_id` must fail."""
+    """The notebook's untagged code cells with `old` replaced by `new`; the cell `#| test test_id` must fail.
+    Earlier test cells only define their helpers (as grading keeps them for later test cells)."""
     cells = nbformat.read(REPO / "solutions" / lesson / f"{lesson}.ipynb", as_version=4).cells
     namespace, applied = {"__name__": f"lesson_{lesson}"}, False
     for cell in cells:
@@ -23,6 +24,7 @@ def assert_mutant_fails(lesson: str, old: str, new: str, test_id: str) -> None:
             continue
         if source.startswith("#| test "):
             if source.split()[2] != test_id:
+                _define_helpers(source, namespace)
                 continue
             with pytest.raises((AssertionError, ValueError, RuntimeError, zero_lab.RankFailed, zero_lab.RanksHung)):
                 exec(compile(source, test_id, "exec"), namespace)
@@ -31,6 +33,12 @@ def assert_mutant_fails(lesson: str, old: str, new: str, test_id: str) -> None:
             source, applied = source.replace(old, new), True
         exec(compile(source, "cell", "exec"), namespace)
     assert applied, f"the mutant {new.strip()!r} no longer applies to the notebook"
+
+
+def _define_helpers(source: str, namespace: dict) -> None:
+    tree = ast.parse(source)
+    tree.body = [node for node in tree.body if isinstance(node, HELPERS)]
+    exec(compile(tree, "test helpers", "exec"), namespace)
 
 
 def graded_cell_with(lesson: str, test_id: str, old: str, new: str) -> tuple[dict, str]:
@@ -45,7 +53,13 @@ def graded_cell_with(lesson: str, test_id: str, old: str, new: str) -> tuple[dic
         if source.startswith("#| export"):
             exec(source.replace(old, new), namespace)
         elif source.startswith("#| test"):  # helpers other cells share, without running their checks
-            tree = ast.parse(source)
-            tree.body = [node for node in tree.body if isinstance(node, HELPERS)]
-            exec(compile(tree, "test helpers", "exec"), namespace)
+            _define_helpers(source, namespace)
     return namespace, next(s for s in cells if s.startswith(f"#| test {test_id} "))
+
+
+def assert_reference_full_and_learner_zero(graded, lesson: str, points: int) -> None:
+    """The reference earns all `points`, hidden tests included; the untouched learner edition nothing, with a reason."""
+    report = graded(lesson, "solution")
+    assert report.total == (points, points), report.scores
+    learner = graded(lesson, "learner")
+    assert all(s.earned == 0 and s.reason for s in learner.scores), learner.scores

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from graded_cells import assert_mutant_fails
+from graded_cells import assert_mutant_fails, assert_reference_full_and_learner_zero
 from zero_lab import launch
 from zero_lab.comm_ledger import CommLedger
 from zero_lab.infinity import NvmeTier, TiledLinear, TokenBucket, put_states, tier_adamw_step
@@ -181,10 +181,7 @@ def test_typical_mistakes_fail_their_graded_cell(mutant):
 
 
 def test_hidden_tests_are_worth_points(graded):
-    report = graded(LESSON, "solution")
-    assert report.total == (24, 24), report.scores
-    learner = graded(LESSON, "learner")
-    assert all(s.earned == 0 and s.reason for s in learner.scores), learner.scores
+    assert_reference_full_and_learner_zero(graded, LESSON, 24)
 
 
 def train_two_blocks(steps, partitioned):

@@ -41,6 +41,11 @@ Options besides the optimizer's own (lr, betas, weight_decay, ...):
     cpu_adam=       with offload: "compiled" (default: one compiled C pass, torch's fused AdamW's
                     results; torch's operations if no C compiler) or "torch" (bit for bit stage 1-2's AdamW)
     adam_threads=   with offload: threads of the host's AdamW (default 1)
+    muon_sharding=, adamw=
+                    stage 1 with torch.optim.Muon (lesson 12, zero_lab.muon): "gather" (momentum in flat shards,
+                    each matrix's direction all-gathered) or "own" (whole matrices owned by ranks); Muon for the
+                    2-D hidden weights, AdamW with the options in adamw= for embeddings, norms and biases; fp32.
+                    Other optimizers that need whole matrices (Adafactor), and Muon at stages 2-3, are refused
 Defaults keep the model's dtype. Anything else is refused with an error that names the fix.
 Call it on every rank, inside zero_lab.launch or after zero_lab.init_distributed().
 
@@ -63,8 +68,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from zero_lab.stages import (NODE_OPTIONS, NVME_LESSON, NVME_MODULE, NVME_OPTIONS, OFFLOAD_LESSON, OFFLOAD_MODULE,
-                             OFFLOAD_OPTIONS, STAGES)
+from zero_lab.stages import (MUON_LESSON, MUON_MODULE, MUON_OPTIONS, NODE_OPTIONS, NVME_LESSON, NVME_MODULE,
+                             NVME_OPTIONS, OFFLOAD_LESSON, OFFLOAD_MODULE, OFFLOAD_OPTIONS, STAGES)
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16)
 _prepared = WeakIdKeyDictionary()  # model -> what prepare made of it last (holds its gradient hooks)
@@ -80,14 +85,16 @@ def prepare(model: torch.nn.Module, optimizer_class: type, stage: int = 0, *, pa
     _check_options(optimizer_class, stage, options)
     _check_dtypes(model, zero_options.get("param_dtype"))
     offload = _check_offload(stage, zero_options)
+    muon = _check_muon(optimizer_class, zero_options, offload)
     on_nodes = _on_nodes(zero_options)
     if offload == "nvme" and on_nodes:
         raise TypeError('offload="nvme" and ranks_per_node= together are not built in this course: use one of them')
-    module_name, lesson, builds = ((OFFLOAD_MODULE, OFFLOAD_LESSON, row.offload) if offload == "cpu"
+    module_name, lesson, builds = ((MUON_MODULE, MUON_LESSON, row.muon) if muon
+                                   else (OFFLOAD_MODULE, OFFLOAD_LESSON, row.offload) if offload == "cpu"
                                    else (NVME_MODULE, NVME_LESSON, row.nvme) if offload == "nvme"
                                    else (row.nodes.module, row.nodes.lesson, row.nodes.builds) if on_nodes
                                    else (row.module, row.lesson, row.builds))
-    variant = f' with offload="{offload}"' if offload else " on nodes" if on_nodes else ""
+    variant = f' with offload="{offload}"' if offload else " on nodes" if on_nodes else " with Muon" if muon else ""
     module = _lesson_module(module_name, lesson, f"stage {stage}{variant}")
     param_dtype = zero_options.get("param_dtype")
     _warn_about_batch_norm(model)
@@ -184,7 +191,14 @@ def _check_setup(model, optimizer_class, stage) -> None:
                         "prepare builds it, over the shards for stages 1-3")
     if not STAGES[stage].wraps_model:  # the optimizer runs on flat shards (zero1's list of those that can)
         shardable = _lesson_module(STAGES[1].module, STAGES[1].lesson, f"stage {stage}").SHARDABLE_OPTIMIZERS
-        if optimizer_class not in shardable:
+        muon_here = optimizer_class is torch.optim.Muon and STAGES[stage].muon
+        if optimizer_class in WHOLE_MATRIX_OPTIMIZERS and not muon_here:
+            muon_stages = " and ".join(str(s) for s, row in STAGES.items() if row.muon)
+            raise ValueError(f"{optimizer_class.__name__}'s update {WHOLE_MATRIX_OPTIMIZERS[optimizer_class]}, which a "
+                             f"flat shard cuts through: stage {stage} shards element-wise optimizers "
+                             f"({', '.join(c.__name__ for c in shardable)}); torch.optim.Muon is built for stage "
+                             f'{muon_stages} (muon_sharding="gather" or "own", lesson {MUON_LESSON}); or use stage=0')
+        if optimizer_class not in shardable and not muon_here:
             names = ", ".join(f"torch.optim.{c.__name__}" for c in shardable)
             raise ValueError(f"stage {stage} runs the optimizer on a flat shard that cuts through tensors, so its "
                              f"update must be element-wise: use {names} (or stage=0 for {optimizer_class.__name__})")
@@ -242,6 +256,26 @@ def _check_offload(stage: int, zero_options: dict) -> str | None:
         if companions and offload != kind:
             raise TypeError(f'{companions} only apply with offload="{kind}": pass offload="{kind}" or leave them out')
     return offload
+
+
+# Optimizers whose update of an element needs the whole matrix around it (what a flat ZeRO shard cuts).
+WHOLE_MATRIX_OPTIMIZERS = {
+    torch.optim.Muon: "orthogonalises each 2-D momentum matrix (Newton-Schulz needs the whole matrix)",
+    torch.optim.Adafactor: "divides by row and column statistics of each matrix (a factored second moment)",
+}
+
+
+def _check_muon(optimizer_class, zero_options: dict, offload) -> bool:
+    """Whether this is Muon under ZeRO (lesson 12); its options need it, and it takes no offload."""
+    given = sorted(set(zero_options) & MUON_OPTIONS)
+    if optimizer_class is not torch.optim.Muon:
+        if given:
+            raise TypeError(f"{given} apply to torch.optim.Muon only (lesson {MUON_LESSON}), not to "
+                            f"{optimizer_class.__name__}: leave them out")
+        return False
+    if offload:
+        raise ValueError(f'offload="{offload}" is not built for torch.optim.Muon in this course: leave it out')
+    return True
 
 
 def _on_nodes(zero_options: dict) -> bool:

@@ -19,6 +19,9 @@ NVME_OPTIONS = frozenset({"offload", "nvme_dir", "nvme_bandwidth", "nvme_quota",
 # Stage 3 on nodes of ranks_per_node ranks (lesson 09): ZeRO++ (qwz, hpz, qgz) or HSDP.
 NODE_OPTIONS = frozenset({"ranks_per_node", "qwz", "hpz", "qgz", "replicate_across_nodes", "weights_block",
                           "grads_block"})
+# Stage 1 with torch.optim.Muon (lesson 12): the update needs whole matrices; muon_sharding= picks how.
+MUON_LESSON, MUON_MODULE = "12_muon", "zero_lab.muon"
+MUON_OPTIONS = frozenset({"muon_sharding", "adamw"})
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class Stage:
     wraps_model: bool = False  # prepare returns builds(model) and the user's optimizer (DDP)
     nodes: Variant | None = None  # with ranks_per_node=: this class instead (ZeRO++ and HSDP)
     nvme: str | None = None  # with offload="nvme": this class of NVME_MODULE instead (ZeRO-Infinity)
+    muon: str | None = None  # with torch.optim.Muon: this class of MUON_MODULE instead (whole-matrix updates)
 
     @property
     def shards_parameters(self) -> bool:
@@ -50,7 +54,8 @@ class Stage:
 STAGES = {
     0: Stage("DDP", (), "02_ddp", "zero_lab.ddp", "BucketedDDP", frozenset({"param_dtype", "find_unused_parameters"}), wraps_model=True),
     1: Stage("P_os", ("master_params", "optimizer_states"), "03_zero1", "zero_lab.zero1", "Zero1Optimizer",
-             frozenset({"param_dtype", "max_grad_norm", "find_unused_parameters", *OFFLOAD_OPTIONS}), offload="Zero1Offload"),
+             frozenset({"param_dtype", "max_grad_norm", "find_unused_parameters", *OFFLOAD_OPTIONS, *MUON_OPTIONS}),
+             offload="Zero1Offload", muon="MuonZero1"),
     2: Stage("P_os+g", ("master_params", "optimizer_states", "gradients"), "04_zero2", "zero_lab.zero2",
              "Zero2Optimizer", frozenset({"param_dtype", "max_grad_norm", "bucket_numel", "find_unused_parameters", *OFFLOAD_OPTIONS}),
              offload="Zero2Offload"),
@@ -69,13 +74,16 @@ def prepare_arguments(lesson: str) -> list[str]:
     found = []
     for number, stage in STAGES.items():
         if stage.lesson == lesson:
-            found.append(entry(f"stage={number}", stage.options - OFFLOAD_OPTIONS - NODE_OPTIONS - NVME_OPTIONS))
+            found.append(entry(f"stage={number}", stage.options - OFFLOAD_OPTIONS - NODE_OPTIONS - NVME_OPTIONS
+                               - MUON_OPTIONS))
         if stage.nodes and lesson == stage.nodes.lesson:
             found.append(entry(f"stage={number}, ranks_per_node=N", stage.options & NODE_OPTIONS - {"ranks_per_node"}))
         if stage.offload and lesson == OFFLOAD_LESSON:
-            found.append(entry(f'stage={number}, offload="cpu"', stage.options - {"offload"} - NVME_OPTIONS))
+            found.append(entry(f'stage={number}, offload="cpu"', stage.options - {"offload"} - NVME_OPTIONS - MUON_OPTIONS))
         if stage.nvme and lesson == NVME_LESSON:
             found.append(entry(f'stage={number}, offload="nvme"', stage.options - {"offload"} - NODE_OPTIONS))
+        if stage.muon and lesson == MUON_LESSON:
+            found.append(entry(f"stage={number} with torch.optim.Muon", MUON_OPTIONS))
     return found
 
 
@@ -93,6 +101,8 @@ def markdown() -> str:
             builds += f"; ranks_per_node=: `{stage.nodes.module}.{stage.nodes.builds}` ({stage.nodes.lesson})"
         if stage.nvme:
             builds += f"; offload=\"nvme\": `{NVME_MODULE}.{stage.nvme}` ({NVME_LESSON})"
+        if stage.muon:
+            builds += f"; torch.optim.Muon: `{MUON_MODULE}.{stage.muon}` ({MUON_LESSON})"
         options = ", ".join(f"`{option}`" for option in sorted(stage.options))
         rows.append(f"| {number} | {stage.name} | {', '.join(stage.partitions) or 'nothing (replicated)'} "
                     f"| {stage.lesson} | {builds} | {options} |")

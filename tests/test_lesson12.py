@@ -1,0 +1,224 @@
+"""Lesson 12, Muon under ZeRO-1: both ways equal single-process torch.optim.Muon (+ AdamW), send and hold what
+the lesson says, are reachable through prepare, and the typical wrong answers lose their points."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from graded_cells import assert_mutant_fails, assert_reference_full_and_learner_zero
+import zero_lab
+from zero_lab import launch
+from zero_lab.course_tools import questions
+from zero_lab.data import shard_batch, token_batches
+from zero_lab.memory_ledger import model_state_bytes
+from zero_lab.models import GPT, GPTConfig
+from zero_lab.muon import (MuonZero1, OwnerLayout, assign_owners, muon_bytes_per_step, newton_schulz, ns_flops_per_rank,
+                           split_params)
+from zero_lab.prepare import prepare
+from zero_lab.zero1 import ShardLayout
+
+LESSON = "12_muon"
+TINY = GPTConfig(vocab_size=29, n_layer=2, n_head=2, n_embd=8, block_size=8)
+MUON, ADAMW = dict(lr=0.02, weight_decay=0.01), dict(lr=3e-3, weight_decay=0.0)
+STEPS = 6
+
+
+def _batches():
+    return list(token_batches(STEPS, 12, TINY.block_size, TINY.vocab_size, seed=2))
+
+
+def _weights(model):
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _prepared(way, **options):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model, optimizer = prepare(GPT(TINY, seed=0), torch.optim.Muon, stage=1, muon_sharding=way, adamw=ADAMW,
+                               **MUON, **options)
+    for batch in _batches():
+        model(*shard_batch(batch, rank, world_size))[1].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return _weights(model)
+
+
+def _one_process(shards):
+    """torch.optim.Muon + AdamW, one thread (as each rank), the global batch's gradient as the mean of `shards` shards'."""
+    model = GPT(TINY, seed=0)
+    matrices, others = split_params(model)
+    optimizers = [torch.optim.Muon(matrices, **MUON), torch.optim.AdamW(others, **ADAMW)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for batch in _batches():
+            grads = []
+            for rank in range(shards):
+                model(*shard_batch(batch, rank, shards))[1].backward()
+                grads.append([p.grad for p in model.parameters()])
+                model.zero_grad(set_to_none=True)
+            for i, p in enumerate(model.parameters()):
+                total = grads[0][i]
+                for more in grads[1:]:
+                    total = total + more[i]
+                p.grad = total / shards
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
+    return _weights(model)
+
+
+@pytest.mark.parametrize("way", ["gather", "own"])
+@pytest.mark.parametrize("world_size, atol", [(2, 0.0), (3, 1e-5)])
+def test_the_gpt_through_prepare_trains_like_one_process(way, world_size, atol):
+    # 2 ranks: the reduce-scatter adds the two shards' gradients exactly as one process does (a + b = b + a),
+    # so the weights agree to the bit; 3 ranks: the ring adds in its own order, and Muon's bf16 Newton-Schulz
+    # amplifies the last bit (measured 1.9e-6 for these seeds).
+    expected = _one_process(world_size)
+    for rank, got in enumerate(launch(_prepared, world_size, way, timeout=60)):
+        for name, value in expected.items():
+            torch.testing.assert_close(got[name], value, atol=atol, rtol=0, msg=lambda m: f"{way}, rank {rank}, {name}: {m}")
+
+
+def test_the_order_of_the_sum_matters_to_muon_more_than_to_fp32():
+    # Why the baseline above sums shard by shard: torch.optim.Muon against itself on the same batches.
+    whole, halves = _one_process(1), _one_process(2)
+    assert max((whole[n] - halves[n]).abs().max().item() for n in whole) > 1e-4
+
+
+def _traffic_and_memory(way, config):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model, optimizer = prepare(GPT(config, seed=0), torch.optim.Muon, stage=1, muon_sharding=way, adamw=ADAMW, **MUON)
+    for batch in token_batches(2, 12, config.block_size, config.vocab_size, seed=0):
+        model(*shard_batch(batch, rank, world_size))[1].backward()
+        with zero_lab.CommLedger() as ledger:
+            optimizer.muon.step()
+        optimizer.adamw.step()
+        optimizer.zero_grad()
+    momentum = model_state_bytes(model, optimizer.muon).bytes["optimizer_states"]
+    return float(ledger.sent_bytes()), momentum, model_state_bytes(model, optimizer).bytes
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_bytes_and_momentum_per_rank_are_the_lessons(world_size):
+    config = GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=32)
+    numels = [p.numel() for p in split_params(GPT(config))[0]]
+    psi, zero1 = sum(numels), 2 * (world_size - 1) * ShardLayout(sum(numels), world_size).shard_numel * 4
+    for way in ("gather", "own"):
+        results = launch(_traffic_and_memory, world_size, way, config, timeout=60)
+        sent = muon_bytes_per_step(way, numels, world_size)
+        assert [s for s, _, _ in results] == [sent] * world_size
+        if way == "gather":
+            assert sent == 3 * zero1 // 2  # 3 Psi against ZeRO-1 AdamW's 2 Psi
+            assert [m for _, m, _ in results] == [4 * ShardLayout(psi, world_size).shard_numel] * world_size
+        else:
+            layout = OwnerLayout(tuple(numels), tuple(assign_owners(numels, world_size)), world_size)
+            assert sent == 2 * (world_size - 1) * layout.segment_numel * 4 >= zero1
+            assert [m for _, m, _ in results] == [4 * layout.load(r) for r in range(world_size)]
+            assert sum(m for _, m, _ in results) == 4 * psi  # each matrix's momentum once, whole
+        for _, _, held in results:  # AdamW's moments (lesson 03) ride along; the model is whole on every rank
+            assert held["parameters"] >= 4 * sum(p.numel() for p in GPT(config).parameters())
+
+
+def test_flops_per_rank_redundancy_and_imbalance():
+    shapes = [(96, 32), (32, 32), (128, 32), (32, 128)] * 2
+    total = sum(5 * (4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3) for s in shapes)
+    for world_size in (2, 3, 4):
+        own, gather = ns_flops_per_rank("own", shapes, world_size), ns_flops_per_rank("gather", shapes, world_size)
+        assert sum(own) == total  # each matrix once
+        # matrices cut by a shard boundary, twice: at 2 and 3 ranks this GPT's boundaries fall between matrices
+        assert sum(gather) > total if world_size == 4 else sum(gather) == total
+        assert max(own) > total / world_size if world_size == 4 else max(own) < 1.03 * total / world_size
+
+
+def test_refusals_name_what_is_supported():
+    def attempts():
+        model = GPT(TINY)
+        messages = {}
+        for what, (optimizer_class, stage, options) in {
+                "muon at stage 2": (torch.optim.Muon, 2, {}), "muon at stage 3": (torch.optim.Muon, 3, {}),
+                "adafactor": (torch.optim.Adafactor, 1, {}), "sharding with adamw": (torch.optim.AdamW, 1, {"muon_sharding": "own"}),
+                "typo": (torch.optim.Muon, 1, {"muon_sharding": "owner"}), "bf16": (torch.optim.Muon, 1, {"param_dtype": torch.bfloat16}),
+                "offload": (torch.optim.Muon, 1, {"offload": "cpu"})}.items():
+            try:
+                prepare(model, optimizer_class, stage=stage, **options)
+                messages[what] = None
+            except (ValueError, TypeError) as error:
+                messages[what] = str(error)
+        return messages
+
+    messages = launch(attempts, 1, timeout=60)[0]
+    assert 'muon_sharding="gather" or "own"' in messages["muon at stage 2"] and "stage 1" in messages["muon at stage 3"]
+    assert "whole" not in messages["adafactor"] or "Muon is built for stage 1" in messages["adafactor"]
+    assert "row and column" in messages["adafactor"]
+    assert "apply to torch.optim.Muon only" in messages["sharding with adamw"]
+    assert "'gather', 'own'" in messages["typo"]
+    assert "not built for Muon" in messages["bf16"] and "not built for torch.optim.Muon" in messages["offload"]
+
+
+def test_a_scheduler_reaches_both_optimizers_and_state_dict_says_it_is_not_built():
+    def run():
+        model = GPT(TINY, seed=0)
+        optimizer = MuonZero1(model, torch.optim.Muon, muon_sharding="own", adamw=ADAMW, **MUON)
+        torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5).step()
+        with pytest.raises(NotImplementedError, match="not built"):
+            optimizer.state_dict()
+        return [g["lr"] for g in optimizer.param_groups]
+
+    lrs = launch(run, 2, timeout=60)[0]
+    assert lrs[0] == pytest.approx(MUON["lr"] / 2) and lrs[1] == pytest.approx(ADAMW["lr"] / 2)
+
+
+def test_zero_lab_ask_finds_the_lessons_questions():
+    bank = questions.read_bank()
+    assert questions.rank(bank, "why can't ZeRO shard Muon".split())[0].id == "12-muon-elementwise"
+    assert questions.rank(bank, "what does whole-matrix ownership cost".split())[0].id == "12-muon-ownership-cost"
+
+
+def test_newton_schulz_of_a_slice_is_not_the_slice_of_newton_schulz():
+    g = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+    assert (newton_schulz(g)[:4].float() - newton_schulz(g[:4]).float()).abs().max() > 0.05
+
+
+SOLUTION_STEP = "        grad = reduce_scatter_mean(self.flat_grad)  # my shard of the mean gradient\n"
+MUTANTS = {  # name: (text of the reference, the mistake, the graded cell that must fail)
+    "Newton-Schulz on my shard of the direction, not the gathered matrix": (
+        "        dist.all_gather_single(whole, direction)  # every matrix's direction, whole, on every rank\n",
+        "        whole.zero_()[start:start + direction.numel()] = direction\n", "gather_matches_muon"),
+    "Nesterov direction from the old buffer (plain momentum)": (
+        "    return grad.lerp(buffer, momentum) if nesterov else buffer\n",
+        "    return buffer\n", "muon_like_torch"),
+    "weight decay applied twice": (
+        "    param.mul_(1 - lr * weight_decay)\n",
+        "    param.mul_(1 - lr * weight_decay)\n    param.mul_(1 - lr * weight_decay)\n", "muon_like_torch"),
+    "weight decay with the adjusted lr": (
+        "    param.mul_(1 - lr * weight_decay)\n",
+        "    param.mul_(1 - adjust_lr(lr, adjust_lr_fn, shape) * weight_decay)\n", "muon_like_torch"),
+    "ownership that ignores size (round robin)": (
+        "    for i in sorted(range(len(numels)), key=lambda i: -numels[i]):\n        owners[i] = min(range(world_size), key=lambda rank: loads[rank])\n",
+        "    for i in range(len(numels)):\n        owners[i] = i % world_size\n", "assign_owners"),
+    "the updated matrices not all-gathered from their owners": (
+        "        all_gather_params(self.flat_param, self.flat_param[start:start + segment].clone())  # from their owners\n",
+        "", "own_matches_muon"),
+    "gradients summed, not averaged (gather)": (
+        SOLUTION_STEP, "        grad = reduce_scatter_mean(self.flat_grad) * self.world_size\n", "gather_matches_muon"),
+    "the parameters not all-gathered after the update (gather)": (
+        "        all_gather_params(self.flat_param, self.master)  # everybody's updated shard\n", "", "gather_matches_muon"),
+    "no normalisation before Newton-Schulz": (
+        "    x = x / x.norm().clamp(min=eps)", "    x = x", "ns_like_torch"),
+    "gather's bytes without the all-gather of the direction": (
+        "        return 3 * (world_size - 1) * (padded // world_size) * element_size\n",
+        "        return 2 * (world_size - 1) * (padded // world_size) * element_size\n", "bytes_and_flops"),
+}
+
+
+@pytest.mark.parametrize("mutant", MUTANTS)
+def test_typical_mistakes_fail_their_graded_cell(mutant):
+    assert_mutant_fails(LESSON, *MUTANTS[mutant])
+
+
+def test_hidden_tests_are_worth_points(graded):
+    assert_reference_full_and_learner_zero(graded, LESSON, 20)
