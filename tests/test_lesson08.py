@@ -64,6 +64,16 @@ def test_index_lists_every_question_and_is_generated(bank):
     assert questions.INDEX in questions.generated_files(REPO)
 
 
+def test_index_heads_each_lessons_section():
+    """Lessons whose sections share a title ("Interview questions") each get their own heading."""
+    bank = [questions.Question(qid, "q", f"{qid}?", "A.", "Interview questions", 1, lesson)
+            for qid, lesson in (("a", "04_zero2"), ("b", "09_zeropp"), ("c", "09_zeropp"), ("d", "10_infinity"))]
+    index = questions.index_markdown(bank)
+    for lesson in ("04 zero2", "09 zeropp", "10 infinity"):
+        assert index.count(f"## Interview questions (lesson {lesson})") == 1, index
+    assert index.index("| `c` |") < index.index("(lesson 10 infinity)") < index.index("| `d` |")
+
+
 def test_ask_prints_the_best_matches(capsys):
     assert cli.main(["ask", "stage", "3", "communication", "1.5"]) == 0
     out = capsys.readouterr().out

@@ -311,6 +311,21 @@ MUTANTS = {
         "    return quantized_all_to_all(node_sum.view(nodes, shard), peer_group, bits, block).sum(dim=0)\n",
         "    return quantized_all_to_all(node_sum.view(nodes, shard), peer_group, bits, block)[0]\n",
         "qgz_reduce_scatter"),
+    "pads and scales in the input's dtype (bf16 scales for bf16 weights)": (
+        "    padded = torch.zeros(blocks * block, dtype=torch.float32, device=x.device)\n",
+        "    padded = torch.zeros(blocks * block, dtype=x.dtype, device=x.device)\n", "quantize"),
+    "qgZ in one quantized hop over all ranks (k x the inter-node bytes, the same total)": (
+        "    node_sum = quantized_all_to_all(by_local_rank, node_group, bits, block).sum(dim=0)\n"
+        "    return quantized_all_to_all(node_sum.view(nodes, shard), peer_group, bits, block).sum(dim=0)\n",
+        "    return quantized_all_to_all(flat_grad.view(layout.world_size, shard), None, bits, block).sum(dim=0)\n",
+        "qgz_reduce_scatter"),
+    "qgZ quantizes the stacked rows as one tensor (blocks straddle rows)": (
+        "    quantized = [quantize_blocks(row, bits, block) for row in rows]\n"
+        "    payloads = torch.stack([p for p, _ in quantized])\n"
+        "    scales = torch.stack([s for _, s in quantized])\n",
+        "    payloads, scales = quantize_blocks(rows.reshape(-1), bits, block)\n"
+        "    payloads, scales = payloads.view(len(rows), -1), scales.view(len(rows), -1)\n",
+        "qgz_reduce_scatter"),
     "hpZ's secondary is a view, not a copy": ("    return flat[local * part:(local + 1) * part].clone()\n",
                                               "    return flat[local * part:(local + 1) * part]\n", "hpz_hsdp"),
     "HSDP divides by the node's size": ("    return shard.div_(dist.get_world_size())\n",

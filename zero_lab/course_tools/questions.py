@@ -128,9 +128,10 @@ def index_markdown(questions: list[Question]) -> str:
         "citations. Ids `000-…` to `004-…` are the questions learners arrive with; the others are asked in",
         "interviews beyond them. From a terminal: `zero-lab ask WORDS`.",
     ]
-    section = None
+    heading = None
     for q in questions:
-        if q.section != section:
+        if (q.lesson, q.section) != heading:  # lessons 04, 09, 10 all have a section "Interview questions"
+            heading = q.lesson, q.section
             section = q.section
             title = section if q.lesson == LESSON else f"{section} (lesson {q.lesson.replace('_', ' ')})"
             lines += ["", f"## {title}", "", "| id | question | cell tag | |", "|---|---|---|---|"]
