@@ -52,21 +52,25 @@ from __future__ import annotations
 import importlib
 import inspect
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
+from zero_lab.optim import remove_hooks
 from zero_lab.stages import (NODE_OPTIONS, NVME_LESSON, NVME_MODULE, NVME_OPTIONS, OFFLOAD_LESSON, OFFLOAD_MODULE,
                              OFFLOAD_OPTIONS, STAGES)
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16)
-_prepared = WeakIdKeyDictionary()  # model -> what prepare made of it last (holds its gradient hooks)
+# model -> weakref to what prepare made of it last (holds its gradient hooks). Weak both ways: a strong
+# value would keep its key alive (the optimizer refers to the model), and nothing here may outlive the user's names.
+_prepared = WeakIdKeyDictionary()
 
 
 def prepare(model: torch.nn.Module, optimizer_class: type, stage: int = 0, *, params=None, **options):
     """Return (model, optimizer) set up for data-parallel training with the given ZeRO stage."""
-    model = next((m for m, made in _prepared.items() if made is model), model)  # given stage 0's wrapper back
+    model = next((m for m, made in list(_prepared.items()) if made() is model), model)  # given stage 0's wrapper back
     _check_setup(model, optimizer_class, stage)
     row = STAGES[stage]
     zero_options = {k: options.pop(k) for k in list(options) if k in row.options}
@@ -84,23 +88,28 @@ def prepare(model: torch.nn.Module, optimizer_class: type, stage: int = 0, *, pa
     module = _lesson_module(module_name, lesson, f"stage {stage}{variant}")
     param_dtype = zero_options.get("param_dtype")
     _warn_about_batch_norm(model)
-    previous = _prepared.pop(model, None)
-    if previous is not None:  # prepared before (a re-run cell): start afresh
-        for handle in [*getattr(previous, "hook_handles", []), *getattr(previous, "model_hooks", [])]:
-            handle.remove()  # they would reduce every gradient again, or hand the new optimizer zeros
+    earlier = _prepared.pop(model, None)
+    if earlier is not None:  # prepared before (a re-run cell): start afresh
+        previous = earlier()  # None if it was freed (its hooks went with it)
+        if previous is not None:  # its hooks would reduce every gradient again, or hand the new optimizer zeros
+            remove_hooks(getattr(previous, "hook_handles", []), getattr(previous, "model_hooks", []))
         if hasattr(previous, "unshard_model"):  # stage 3 sharded the model in place: whole parameters again
             previous.unshard_model()
         if hasattr(previous, "close"):  # its NVMe tier's files
             previous.close()
+        del previous
         model.zero_grad(set_to_none=True)  # views into the old optimizer's buffers
     built = getattr(module, builds)
     if row.wraps_model:
         wrapped, optimizer = _prepare_ddp(built, module, model, optimizer_class, params, param_dtype, options,
                                           zero_options.get("find_unused_parameters", False))
-        _prepared[model] = wrapped
+        made = wrapped
     else:
-        wrapped = model
-        _prepared[model] = optimizer = built(model, optimizer_class, params, **zero_options, **options)
+        wrapped, made = model, built(model, optimizer_class, params, **zero_options, **options)
+        optimizer = made
+    _prepared[model] = weakref.ref(made)
+    # Its hooks hold it weakly (zero_lab.optim.weak_hook): if it is freed while the model lives on, they go too.
+    weakref.finalize(made, remove_hooks, getattr(made, "hook_handles", []), getattr(made, "model_hooks", []))
     if param_dtype is not None and not row.shards_parameters:  # stage 3 casts its shards and the buffers itself
         model.to(param_dtype)  # frozen parameters and buffers too; the fp32 masters were taken before
     return wrapped, optimizer

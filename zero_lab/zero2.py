@@ -23,6 +23,7 @@ from itertools import accumulate
 import torch
 import torch.distributed as dist
 
+from zero_lab.optim import weak_hook
 from zero_lab.zero1 import FlatGroup, ShardLayout, Zero1Optimizer
 
 
@@ -132,7 +133,7 @@ class Zero2Optimizer(Zero1Optimizer):
         self.grad_shards = [torch.zeros_like(g.master, dtype=g.flat_param.dtype) for g in self.groups]
         self.buckets = [bucket for index, group in enumerate(self.groups) for bucket in self._buckets(index, group)]
         self.bucket_of = {p: bucket for bucket in self.buckets for p in bucket.params}
-        self.hook_handles = [p.register_post_accumulate_grad_hook(self._on_gradient_ready) for p in self.bucket_of]
+        self.hook_handles = [p.register_post_accumulate_grad_hook(weak_hook(self._on_gradient_ready)) for p in self.bucket_of]
         self.next_bucket = 0  # buckets are launched strictly in order, the same on every rank
         self.in_flight = None  # the bucket being reduce-scattered: at most one
         self.final_callback_queued = False
