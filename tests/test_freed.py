@@ -14,6 +14,7 @@ the parent, which names what survived and what refers to it.
 
 from __future__ import annotations
 
+import copy
 import functools
 import gc
 import os
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from sharded_training import TINY_GPT, gpt_batches, gpt_loss, train
 from zero_lab import launch
 from zero_lab.models import GPT
+from zero_lab.optim import weak_hook
 from zero_lab.prepare import prepare
 
 BF16 = {"param_dtype": torch.bfloat16}
@@ -229,6 +231,17 @@ def _tier_files(nvme_dir: str) -> dict:
 RERUN_AT_3 = ("stage 0 bf16", "stage 2 offload bf16 dpu", "stage 3 nvme", "HSDP 3/node bf16")  # time: 3 ranks, 2 cores
 
 
+def _hooks_left(options: dict) -> dict:
+    """Drop what prepare made (stage 0's wrapper, or the optimizer) and keep the model: its hooks go with it."""
+    model = _model(frozen=False)
+    wrapped, optimizer = prepare(model, torch.optim.AdamW, lr=1e-3, **options)
+    train(wrapped, optimizer, gpt_batches(STEPS), gpt_loss)
+    while_alive = sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+    del wrapped, optimizer
+    left = sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+    return {"while alive": while_alive, "left": left, "load hooks left": len(model._load_state_dict_pre_hooks)}
+
+
 def _run_all(world_size: int) -> dict:
     configs = _configs(world_size)
     rerun = configs if world_size == 2 else {name: configs[name] for name in RERUN_AT_3}
@@ -237,7 +250,8 @@ def _run_all(world_size: int) -> dict:
     gc.freeze()  # what exists now is no concern: each gc.collect() and gc.get_objects() below skips it
     with tempfile.TemporaryDirectory(prefix=f"freed-{dist.get_rank()}-") as nvme_dir:
         return {"freed": _check_freed(configs, nvme_dir), "reruns": _rerun_rounds(rerun, nvme_dir),
-                "tier": _tier_files(nvme_dir)}
+                "tier": _tier_files(nvme_dir),
+                "hooks": {name: _hooks_left(configs[name]) for name in ("stage 0 bf16", "stage 1", "stage 2 bf16")}}
 
 
 # ---- in the parent
@@ -288,3 +302,29 @@ def test_a_dropped_nvme_tier_removes_its_files(world_size):
         assert tier["files while alive"], f"rank {rank}: the tier wrote no files in {tier['directory']}"
         assert not tier["exists after drop"], f"rank {rank}: {tier['directory']} is still there after the drop"
         assert tier["left in nvme_dir"] == [], f"rank {rank}: left behind {tier['left in nvme_dir']}"
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_the_hooks_go_with_what_prepare_made(world_size):
+    for rank, result in enumerate(_results(world_size)):
+        for name, hooks in result["hooks"].items():
+            assert hooks["while alive"] > 0, f"rank {rank}, {name}: no gradient hooks to check"
+            assert hooks["left"] == hooks["load hooks left"] == 0, f"rank {rank}, {name}: hooks left {hooks}"
+
+
+def test_weak_hook_keeps_nothing_alive_and_copies_with_its_object():
+    class Owner:
+        def __init__(self):
+            self.hooks = [weak_hook(self.called, "first")]
+
+        def called(self, *args):
+            return self, args
+
+    owner = Owner()
+    assert owner.hooks[0]("then") == (owner, ("first", "then"))
+    copied = copy.deepcopy(owner)
+    assert copied.hooks[0]("then") == (copied, ("first", "then")), "the copy's hook calls the copy"
+    ref, hook = weakref.ref(owner), owner.hooks[0]
+    del owner
+    assert ref() is None, "the hook keeps its object alive"
+    assert hook("then") is None, "a hook whose object is gone does nothing"

@@ -86,15 +86,23 @@ class weak_hook:
     __slots__ = ("method", "args", "__weakref__")
 
     def __init__(self, method, *args):
-        self.method, self.args = weakref.WeakMethod(method), args
+        self.method = weakref.WeakMethod(method) if method is not None else _gone  # None: a hook of nothing
+        self.args = args
 
     def __call__(self, *args, **kwargs):
         method = self.method()
         return None if method is None else method(*self.args, *args, **kwargs)
 
+    def __reduce__(self):  # copy.deepcopy (and pickle): the same hook on the copy of its object
+        return weak_hook, (self.method(), *self.args)
+
     def __repr__(self) -> str:
         method = self.method()
         return f"weak_hook({'<gone>' if method is None else method.__qualname__})"
+
+
+def _gone() -> None:
+    return None
 
 
 def _weak_if_bound(function):
