@@ -42,7 +42,9 @@ Call it on every rank, inside zero_lab.launch or after zero_lab.init_distributed
 The optimizer is a torch.optim.Optimizer (LR schedulers, param_groups, state_dict) and
 torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) clips by the global norm at every
 stage. Preparing the same model again (re-running a cell) detaches the earlier preparation's
-hooks. BatchNorm running statistics stay per rank, computed on each rank's shard of the batch
+hooks. Nothing in zero_lab keeps a prepared model or its optimizer alive: `del model, optimizer`
+frees them at once at stages 0-2, and at the next garbage collection (gc.collect()) at stage 3,
+whose model holds its schedule and optimizer through its hooks. BatchNorm running statistics stay per rank, computed on each rank's shard of the batch
 (prepare warns): on GPUs convert the model with torch.nn.SyncBatchNorm.convert_sync_batchnorm
 for statistics over the global batch; on CPU use LayerNorm/GroupNorm, or keep rank 0's.
 """
