@@ -89,6 +89,9 @@ def assign_buckets(params: list[nn.Parameter], bucket_size_bytes: int) -> list[l
     return buckets
 
 
+from zero_lab.optim import weak_hook  # a hook that does not keep the wrapper alive
+
+
 @dataclass(eq=False)
 class Bucket:
     params: list[nn.Parameter]
@@ -120,7 +123,9 @@ class BucketedDDP(nn.Module):
         self.bucket_of = {p: bucket for bucket in self.buckets for p in bucket.params}
         self.next_bucket = 0  # buckets are launched strictly in order, the same on every rank
         self.final_callback_queued = False
-        self.hook_handles = [p.register_post_accumulate_grad_hook(self._on_gradient_ready) for p in params]
+        # weak_hook: the parameters keep their hooks, and must not keep this wrapper alive (nor it them,
+        # in a cycle through torch's C++ that Python's garbage collector cannot see): del model frees it
+        self.hook_handles = [p.register_post_accumulate_grad_hook(weak_hook(self._on_gradient_ready)) for p in params]
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

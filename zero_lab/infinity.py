@@ -63,7 +63,8 @@ class NvmeTier:
     bytes_read, bytes_written    every byte moved, counted exactly
     held_bytes  bytes read and not yet written back (with write(..., start=...)): the host memory a
                 streaming loop holds; peak_held_bytes its maximum
-    close() (or leaving a `with` block) removes the subdirectory and everything in it, nothing else.
+    close() (or leaving a `with` block) removes the subdirectory and everything in it, nothing else;
+    so does dropping the tier (when it is garbage-collected).
     """
 
     def __init__(self, directory, bandwidth: float | None = None, quota: int | None = None):
@@ -74,6 +75,7 @@ class NvmeTier:
             raise OSError(error.errno, f"NvmeTier cannot create its files under {str(directory)!r} ({error.strerror}): "
                                        f"pass a directory you can write to, e.g. tempfile.gettempdir()") from error
         remove_when_rank_ends(self.directory)  # a failed rank's files go too
+        self._removal = weakref.finalize(self, shutil.rmtree, self.directory, ignore_errors=True)  # and a dropped tier's
         self.bucket = TokenBucket(bandwidth) if bandwidth is not None else None
         self.quota = quota
         self.numels: dict[str, int] = {}
@@ -147,7 +149,7 @@ class NvmeTier:
         del self.numels[name]
 
     def close(self) -> None:
-        shutil.rmtree(self.directory, ignore_errors=True)
+        self._removal()  # shutil.rmtree(self.directory, ignore_errors=True), once
         self.numels.clear()
 
     def __enter__(self):
@@ -262,7 +264,8 @@ class Zero3Infinity(Zero3Optimizer):
     nvme_bandwidth  bytes/s charged to every transfer of the tier (None: as fast as the files go)
     nvme_quota      the most bytes this rank's tier may hold (checked before anything is written)
     nvme_chunk_numel  elements per streamed chunk
-    The tier's directory is removed by close(), at exit, and by zero_lab.launch however a rank ends.
+    The tier's directory is removed by close(), when the optimizer is garbage-collected, at exit, and by
+    zero_lab.launch however a rank ends.
     """
 
     def __init__(self, model, optimizer_class=torch.optim.AdamW, params=None, *, nvme_dir=None,

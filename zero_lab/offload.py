@@ -20,6 +20,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from zero_lab.optim import weak_hook
 from zero_lab.zero1 import FlatGroup, Zero1Optimizer, all_gather_params
 from zero_lab.zero2 import Bucket, Zero2Optimizer
 
@@ -185,7 +186,7 @@ class _Offload(OffloadCheckpoints):
             g.get("amsgrad") or g.get("maximize") for g in self.optimizer.param_groups)
         compiled = cpu_adam == "compiled" and runs_adamw and compiled_adamw_step() is not None
         self.adam = (compiled_adam_ if compiled else cpu_adam_) if runs_adamw else None  # None: torch's own step
-        self.schedule = DelayedUpdate(self._update, self._upload, dpu_warmup_steps)
+        self.schedule = DelayedUpdate(weak_hook(self._update), weak_hook(self._upload), dpu_warmup_steps)  # no cycle
         self.gradients_sent = False
         # The host update runs on its own copy of the param groups, with the options that step() found
         # (a delayed update runs after step() has returned, when an LR scheduler has changed them for the

@@ -11,6 +11,12 @@ When each rank holds only a shard of the averaged gradient, the ordinary
 `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)` would see the wrong gradients
 (stage 1: this rank's unreduced ones; stage 2: none). `hold_gradients` routes that call to the
 optimizer holding them, which computes the global norm over the shards and clips them.
+
+Hooks that call back into an optimizer or a wrapper go through `weak_hook`: the model (whose
+parameters and modules keep their hooks) then does not keep the optimizer alive, and dropping
+both frees both. A hook on a parameter that refers back to the parameter must be weak: torch
+keeps post-accumulate-grad hooks in C++, where Python's garbage collector cannot see the cycle,
+so it would never be freed.
 """
 
 from __future__ import annotations
@@ -66,6 +72,50 @@ class OptimizerOverCopies(torch.optim.Optimizer):
             raise NotImplementedError(f"{type(self).__name__} cannot take parameters after it is built: "
                                       "build a new one with every param group (zero_lab.prepare(..., params=groups))")
         super().add_param_group(param_group)
+
+
+class weak_hook:
+    """weak_hook(obj.method, *args): a hook that calls obj.method(*args, *hook_args) while obj is
+    alive and does nothing (returns None) once it is gone, without keeping obj alive.
+
+    Register it instead of the bound method (or functools.partial of it) on parameters and modules:
+        p.register_post_accumulate_grad_hook(weak_hook(self._on_gradient_ready))
+        module.register_forward_pre_hook(weak_hook(self._pre_forward, index))
+    """
+
+    __slots__ = ("method", "args", "__weakref__")
+
+    def __init__(self, method, *args):
+        self.method = weakref.WeakMethod(method) if method is not None else _gone  # None: a hook of nothing
+        self.args = args
+
+    def __call__(self, *args, **kwargs):
+        method = self.method()
+        return None if method is None else method(*self.args, *args, **kwargs)
+
+    def __reduce__(self):  # copy.deepcopy (and pickle): the same hook on the copy of its object
+        return weak_hook, (self.method(), *self.args)
+
+    def __repr__(self) -> str:
+        method = self.method()
+        return f"weak_hook({'<gone>' if method is None else method.__qualname__})"
+
+
+def _gone() -> None:
+    return None
+
+
+def _weak_if_bound(function):
+    """A bound method as a weak_hook (its object is not kept alive); anything else as it is."""
+    return weak_hook(function) if function is not None and hasattr(function, "__self__") and \
+        hasattr(function, "__func__") else function
+
+
+def remove_hooks(*handle_lists) -> None:
+    """Remove every hook of these lists of torch's RemovableHandles; removing one twice does nothing."""
+    for handles in handle_lists:
+        for handle in handles:
+            handle.remove()
 
 
 _holders = WeakIdKeyDictionary()  # parameter -> weakref to the optimizer holding its averaged gradient
@@ -127,7 +177,7 @@ class UnusedParameters:
         self.find_unused_parameters = find_unused_parameters
         self.used = set()  # ids of the parameters that got a gradient since the last plan()
         self.pieces = [self._pieces(group) for group in groups]
-        self.handles = [p.register_post_accumulate_grad_hook(self._mark_used) for g in groups for p in g.params]
+        self.handles = [p.register_post_accumulate_grad_hook(weak_hook(self._mark_used)) for g in groups for p in g.params]
 
     def _mark_used(self, param) -> None:
         self.used.add(id(param))
@@ -265,8 +315,11 @@ def write_through_loads(model: torch.nn.Module, write, before=None):
     copies at the next step. This registers a load_state_dict pre-hook on `model`: for each loaded
     parameter, write(param, value) gets the value as given (fp32 kept when the model computes in
     bf16); before() runs first (e.g. finish a delayed update). Returns the hook's handle.
+    Bound methods are held weakly (weak_hook): the model does not keep their optimizer alive, and
+    once it is gone loading writes nothing through.
     """
     named = list(model.named_parameters(remove_duplicate=False))  # tied weights: every name
+    write, before = _weak_if_bound(write), _weak_if_bound(before)
 
     def hook(module, state_dict, prefix, *args):
         found = [(p, state_dict[prefix + name]) for name, p in named

@@ -52,7 +52,9 @@ Call it on every rank, inside zero_lab.launch or after zero_lab.init_distributed
 The optimizer is a torch.optim.Optimizer (LR schedulers, param_groups, state_dict) and
 torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) clips by the global norm at every
 stage. Preparing the same model again (re-running a cell) detaches the earlier preparation's
-hooks. BatchNorm running statistics stay per rank, computed on each rank's shard of the batch
+hooks. Nothing in zero_lab keeps a prepared model or its optimizer alive: `del model, optimizer`
+frees them at once at stages 0-2, and at the next garbage collection (gc.collect()) at stage 3,
+whose model holds its schedule and optimizer through its hooks. BatchNorm running statistics stay per rank, computed on each rank's shard of the batch
 (prepare warns): on GPUs convert the model with torch.nn.SyncBatchNorm.convert_sync_batchnorm
 for statistics over the global batch; on CPU use LayerNorm/GroupNorm, or keep rank 0's.
 """
@@ -63,21 +65,25 @@ import contextlib
 import importlib
 import inspect
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
+from zero_lab.optim import remove_hooks
 from zero_lab.stages import (MUON_LESSON, MUON_MODULE, MUON_OPTIONS, NODE_OPTIONS, NVME_LESSON, NVME_MODULE,
                              NVME_OPTIONS, OFFLOAD_LESSON, OFFLOAD_MODULE, OFFLOAD_OPTIONS, STAGES)
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16)
-_prepared = WeakIdKeyDictionary()  # model -> what prepare made of it last (holds its gradient hooks)
+# model -> weakref to what prepare made of it last (holds its gradient hooks). Weak both ways: a strong
+# value would keep its key alive (the optimizer refers to the model), and nothing here may outlive the user's names.
+_prepared = WeakIdKeyDictionary()
 
 
 def prepare(model: torch.nn.Module, optimizer_class: type, stage: int = 0, *, params=None, **options):
     """Return (model, optimizer) set up for data-parallel training with the given ZeRO stage."""
-    model = next((m for m, made in _prepared.items() if made is model), model)  # given stage 0's wrapper back
+    model = next((m for m, made in list(_prepared.items()) if made() is model), model)  # given stage 0's wrapper back
     _check_setup(model, optimizer_class, stage)
     device = _training_device(model, options.pop("device", None))
     row = STAGES[stage]
@@ -98,14 +104,16 @@ def prepare(model: torch.nn.Module, optimizer_class: type, stage: int = 0, *, pa
     module = _lesson_module(module_name, lesson, f"stage {stage}{variant}")
     param_dtype = zero_options.get("param_dtype")
     _warn_about_batch_norm(model)
-    previous = _prepared.pop(model, None)
-    if previous is not None:  # prepared before (a re-run cell): start afresh
-        for handle in [*getattr(previous, "hook_handles", []), *getattr(previous, "model_hooks", [])]:
-            handle.remove()  # they would reduce every gradient again, or hand the new optimizer zeros
+    earlier = _prepared.pop(model, None)
+    if earlier is not None:  # prepared before (a re-run cell): start afresh
+        previous = earlier()  # None if it was freed (its hooks went with it)
+        if previous is not None:  # its hooks would reduce every gradient again, or hand the new optimizer zeros
+            remove_hooks(getattr(previous, "hook_handles", []), getattr(previous, "model_hooks", []))
         if hasattr(previous, "unshard_model"):  # stage 3 sharded the model in place: whole parameters again
             previous.unshard_model()
         if hasattr(previous, "close"):  # its NVMe tier's files
             previous.close()
+        del previous
         model.zero_grad(set_to_none=True)  # views into the old optimizer's buffers
     on_meta = any(p.device.type == "meta" for p in model.parameters())
     if not on_meta:
@@ -123,10 +131,13 @@ def _build(row, built, module, model, optimizer_class, params, param_dtype, opti
     if row.wraps_model:
         wrapped, optimizer = _prepare_ddp(built, module, model, optimizer_class, params, param_dtype, options,
                                           zero_options.get("find_unused_parameters", False))
-        _prepared[model] = wrapped
+        made = wrapped
     else:
-        wrapped = model
-        _prepared[model] = optimizer = built(model, optimizer_class, params, **zero_options, **options)
+        wrapped, made = model, built(model, optimizer_class, params, **zero_options, **options)
+        optimizer = made
+    _prepared[model] = weakref.ref(made)
+    # Its hooks hold it weakly (zero_lab.optim.weak_hook): if it is freed while the model lives on, they go too.
+    weakref.finalize(made, remove_hooks, getattr(made, "hook_handles", []), getattr(made, "model_hooks", []))
     return wrapped, optimizer
 
 

@@ -115,6 +115,7 @@ def step_memory(model, optimizer, phases, device: torch.device) -> dict:
             sample()
         return name, phase
 
+    gc.collect()  # on any device: what earlier runs dropped goes first (stage 3's model and optimizer are cycles)
     handles = [p.register_post_accumulate_grad_hook(sample) for p in model.parameters() if p.requires_grad]
     handles += [m.register_forward_hook(sample) for m in model.modules()]
     try:

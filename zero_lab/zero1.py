@@ -20,7 +20,7 @@ from itertools import accumulate
 import torch
 import torch.distributed as dist
 
-from zero_lab.optim import OptimizerOverCopies, UnusedParameters, hold_gradients, write_through_loads
+from zero_lab.optim import OptimizerOverCopies, UnusedParameters, hold_gradients, weak_hook, write_through_loads
 
 
 @dataclass(frozen=True)
@@ -317,10 +317,11 @@ class Zero1Optimizer(ShardedCheckpoint, OptimizerOverCopies):
         self.unused = UnusedParameters(self.groups, self.rank, {p: names.get(id(p), "?") for g in self.groups for p in g.params},
                                        find_unused_parameters)
         self.stepping = False  # inside step(): then the inner optimizer's step is this step's update
-        self.register_step_pre_hook(self._enter_step)
-        self.register_step_post_hook(self._leave_step)
-        self.optimizer.register_step_pre_hook(self._before_update)
-        self.optimizer.register_step_post_hook(self._after_update)
+        # weak_hook: hooks on itself and on inner would be cycles, freed only by the garbage collector
+        self.register_step_pre_hook(weak_hook(self._enter_step))
+        self.register_step_post_hook(weak_hook(self._leave_step))
+        self.optimizer.register_step_pre_hook(weak_hook(self._before_update))
+        self.optimizer.register_step_post_hook(weak_hook(self._after_update))
         self.master_offsets = {id(p): (group, offset) for group in self.groups
                                for p, offset in zip(group.params, accumulate([0] + [q.numel() for q in group.params]))}
         self.model_hooks = [*self.unused.handles, write_through_loads(model, self._write_master, self._before_load)]

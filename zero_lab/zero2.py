@@ -23,6 +23,7 @@ from itertools import accumulate
 import torch
 import torch.distributed as dist
 
+from zero_lab.optim import weak_hook
 from zero_lab.zero1 import FlatGroup, ShardLayout, Zero1Optimizer
 
 
@@ -128,11 +129,13 @@ class Zero2Optimizer(Zero1Optimizer):
         # dtype, as the paper counts (2 Psi / Nd bytes with bf16; step() casts it to fp32);
         # self.buckets: every group's self._buckets(index, group), in launch order; self.bucket_of:
         # param -> its bucket; self.hook_handles: _on_gradient_ready as each bucketed param's
-        # post-accumulate-grad hook.
+        # post-accumulate-grad hook, through weak_hook (zero_lab.optim), so that the parameters do not
+        # keep the optimizer alive.
         self.grad_shards = [torch.zeros_like(g.master, dtype=g.flat_param.dtype) for g in self.groups]
         self.buckets = [bucket for index, group in enumerate(self.groups) for bucket in self._buckets(index, group)]
         self.bucket_of = {p: bucket for bucket in self.buckets for p in bucket.params}
-        self.hook_handles = [p.register_post_accumulate_grad_hook(self._on_gradient_ready) for p in self.bucket_of]
+        self.hook_handles = [p.register_post_accumulate_grad_hook(weak_hook(self._on_gradient_ready))
+                             for p in self.bucket_of]
         self.next_bucket = 0  # buckets are launched strictly in order, the same on every rank
         self.in_flight = None  # the bucket being reduce-scattered: at most one
         self.final_callback_queued = False

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from zero_lab.optim import OptimizerOverCopies, hold_gradients
+from zero_lab.optim import OptimizerOverCopies, hold_gradients, weak_hook
 from zero_lab.zero1 import MASTER_DTYPE, ShardLayout, clip_grad_norm_, gather_shards, param_groups_of, param_views
 
 
@@ -359,7 +359,9 @@ class UnitSchedule:
             self.handles.append(module.register_forward_hook(partial(self._post_forward, index)))
         for p in self.unit_of:
             if p.requires_grad:
-                self.handles.append(p.register_post_accumulate_grad_hook(self._gradient_arrived))
+                # weak: torch keeps this hook in C++, where a cycle back to p (through unit_of) is never freed;
+                # the model's module hooks above keep the schedule alive while the model is
+                self.handles.append(p.register_post_accumulate_grad_hook(weak_hook(self._gradient_arrived)))
 
     # ---- extension points
     def all_gather(self, unit: Unit, phase: str, async_op: bool = False) -> dist.Work | None:

@@ -304,6 +304,20 @@ class ZeroPPSchedule(UnitSchedule):
             grad_shard += received / dist.get_world_size()
 
 
+_groups_made = {}  # (default process group, ranks_per_node) -> (node group, peer group)
+
+
+def _node_groups_once(layout: NodeLayout):
+    """node_groups(layout), made once per process group: each preparation making its own would add groups
+    (threads and connections each) that live as long as the process, however often a cell is re-run."""
+    world = dist.group.WORLD
+    if any(made_for is not world for made_for, _ in _groups_made):  # a new default group: the old ones are gone
+        _groups_made.clear()
+    if (world, layout.ranks_per_node) not in _groups_made:
+        _groups_made[world, layout.ranks_per_node] = node_groups(layout)
+    return _groups_made[world, layout.ranks_per_node]
+
+
 class ZeroPPOptimizer(Zero3Optimizer):
     """Stage 3 on nodes of `ranks_per_node` ranks, with any of ZeRO++'s techniques, or HSDP.
 
@@ -329,7 +343,7 @@ class ZeroPPOptimizer(Zero3Optimizer):
             raise ValueError("max_grad_norm with replicate_across_nodes is not implemented: clip without HSDP")
         _check_bits(8, weights_block), _check_bits(4, grads_block)
         self.hsdp = replicate_across_nodes
-        node_group, peer_group = node_groups(self.layout)
+        node_group, peer_group = _node_groups_once(self.layout)
         if self.hsdp:
             self.shard_group = node_group  # each unit sharded over the node: this rank keeps 1/ranks_per_node of it
         self.schedule_class = partial(ZeroPPSchedule, layout=self.layout, node_group=node_group, peer_group=peer_group,
