@@ -39,6 +39,29 @@ def test_matches_single_process_adamw(world_size):
     assert_close([w for w, _ in results], expected)
 
 
+def _zero1_from_parameters_alone(as_groups):
+    from zero_lab.zero1 import Zero1Optimizer
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = MLP(SIZES, seed=0)
+    params = [{"params": list(model.parameters())}] if as_groups else (p for p in model.parameters())
+    optimizer = Zero1Optimizer(None, torch.optim.AdamW, params=params, **ADAMW)  # as ZeroRedundancyOptimizer
+    train(model, optimizer, mlp_batches(), mlp_loss)
+    return weights(model)
+
+
+@pytest.mark.parametrize("world_size, as_groups", [(2, False), (3, True)])
+def test_built_from_parameters_alone_as_torch_zero_redundancy_optimizer_is(world_size, as_groups):
+    assert_close(launch(_zero1_from_parameters_alone, world_size, as_groups, timeout=60), single_process()[0])
+
+
+def test_neither_model_nor_parameters_names_what_to_pass():
+    from zero_lab.zero1 import Zero1Optimizer
+
+    with pytest.raises(zero_lab.RankFailed, match=r"pass the model, or params="):
+        launch(lambda: Zero1Optimizer(None, torch.optim.AdamW), 2)
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_clipping_uses_the_global_norm(world_size):
     expected, expected_norms = single_process(max_grad_norm=0.5)

@@ -308,6 +308,17 @@ def _positions(pieces, device) -> torch.Tensor:
         torch.zeros(0, dtype=torch.long, device=device)
 
 
+class ParametersOnly(torch.nn.Module):
+    """A module that only holds parameters: what an optimizer built from parameters alone (as torch's
+    ZeroRedundancyOptimizer(params, ...) is) hooks in place of a model. groups: torch.optim's param
+    groups as dicts; the parameters keep their identity (named p0, p1, ... in messages)."""
+
+    def __init__(self, groups: list[dict]):
+        super().__init__()
+        for index, param in enumerate(p for group in groups for p in group["params"]):
+            self.register_parameter(f"p{index}", param)
+
+
 def write_through_loads(model: torch.nn.Module, write, before=None):
     """Make model.load_state_dict(...) reach the optimizer's own copies of the weights.
 

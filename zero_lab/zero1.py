@@ -20,7 +20,8 @@ from itertools import accumulate
 import torch
 import torch.distributed as dist
 
-from zero_lab.optim import OptimizerOverCopies, UnusedParameters, hold_gradients, weak_hook, write_through_loads
+from zero_lab.optim import (OptimizerOverCopies, ParametersOnly, UnusedParameters, hold_gradients, weak_hook,
+                            write_through_loads)
 
 
 @dataclass(frozen=True)
@@ -284,7 +285,9 @@ class Zero1Optimizer(ShardedCheckpoint, OptimizerOverCopies):
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) clips by the global norm.
 
     params         tensors or param-group dicts, as for torch.optim (default: model.parameters());
-                   frozen parameters (requires_grad=False) are left out
+                   frozen parameters (requires_grad=False) are left out. With model=None, params alone
+                   (as torch's ZeroRedundancyOptimizer takes them): load_state_dict of a model then does
+                   not reach the fp32 masters; load the optimizer's own state dict
     param_dtype    cast the trainable parameters to this compute dtype (torch.bfloat16 for mixed
                    precision); the fp32 masters are taken before the cast. None keeps the dtype.
     max_grad_norm  clip the global gradient norm to this in step() (None: no clipping)
@@ -298,6 +301,11 @@ class Zero1Optimizer(ShardedCheckpoint, OptimizerOverCopies):
 
     def __init__(self, model, optimizer_class=torch.optim.AdamW, params=None, *,
                  param_dtype=None, max_grad_norm=None, find_unused_parameters=False, **defaults):
+        if model is None:  # parameters alone, as torch's ZeroRedundancyOptimizer(params, ...) takes them
+            if params is None:
+                raise TypeError("pass the model, or params= (its parameters or param groups) with model=None")
+            params = param_groups_of(None, params)
+            model = ParametersOnly(params)
         self.model, self.max_grad_norm = model, max_grad_norm
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.groups, inner_groups = [], []
