@@ -126,7 +126,7 @@ def _in_child(conn, runs):
             before = _rss_bytes("VmRSS")
             with FakeTensorMode():
                 value = fn(*args)
-            results.append(FakeWorldResult(value, _rss_bytes("VmHWM" if exact else "VmRSS") - before))
+            results.append((value, _rss_bytes("VmHWM" if exact else "VmRSS") - before))  # plain data: it crosses a pipe
             dist.destroy_process_group()
         conn.send(("ok", results))
     except BaseException as error:  # noqa: BLE001 (sent to the parent, raised there)
@@ -162,7 +162,7 @@ def in_fake_world(runs, timeout: float = 120.0) -> list[FakeWorldResult]:
     child.join()
     if status == "error":
         raise value
-    return value
+    return [FakeWorldResult(result, grown) for result, grown in value]
 
 
 def predicted_bytes(numels: list[int], n: int, rank: int, stage: int, offload: bool = False) -> dict[str, int]:
