@@ -7,6 +7,11 @@ tensors nccl (a GPU per rank) or gloo (ranks that share a GPU: zero_lab/rank_pla
 Because it sits *under* `torch.distributed`, it sees our own code and PyTorch's DDP reducer (C++), FSDP2 and
 ZeroRedundancyOptimizer alike, so lessons can compare them side by side.
 
+With a FakeStore (torch's fake process group, a private API:
+`dist.init_process_group("counted", store=FakeStore(), rank=r, world_size=N)` after `register()`)
+the transport is torch's FakeProcessGroup: every collective returns at once and moves nothing,
+and the ledger still charges it. Lesson 13 counts one rank of a 1024-rank world that way.
+
 Convention for "bytes sent" (docs/communication.md has the derivation):
 a collective over N ranks on a logical message of M elements is charged what one rank sends
 with the bandwidth-optimal ring algorithm, i.e. the total traffic on all links divided by N:
@@ -22,6 +27,7 @@ The ZeRO paper's "Psi" per collective is this (N-1)/N * Psi rounded to Psi. Valu
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -293,6 +299,9 @@ _cuda_transport = None  # what carries CUDA tensors in the "counted" group: None
 
 
 def _create_counting_group(store, rank: int, size: int, timeout: timedelta):
+    if _is_fake_store(store):  # torch's fake process group (lesson 13): counted, nothing sent
+        fake = c10d.FakeProcessGroup._create_internal(rank, size)
+        return CountingProcessGroup({"cpu": (fake, dist.ProcessGroup.BackendType.CUSTOM)}, rank, size)
     gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
     transports = {"cpu": (gloo, dist.ProcessGroup.BackendType.GLOO)}
     if _cuda_transport == "gloo":
@@ -303,6 +312,14 @@ def _create_counting_group(store, rank: int, size: int, timeout: timedelta):
         nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size, options)
         transports["cuda"] = (nccl, dist.ProcessGroup.BackendType.NCCL)
     return CountingProcessGroup(transports, rank, size)
+
+
+def _is_fake_store(store) -> bool:
+    """torch.testing._internal.distributed.fake_pg.FakeStore (a private module: imported only when one is passed)."""
+    fake_pg = sys.modules.get("torch.testing._internal.distributed.fake_pg")
+    while isinstance(store, dist.PrefixStore):  # init_process_group wraps the store it is given
+        store = store.underlying_store
+    return fake_pg is not None and isinstance(store, fake_pg.FakeStore)
 
 
 def register(cuda_transport: str | None = None) -> str:

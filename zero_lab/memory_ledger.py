@@ -39,6 +39,9 @@ accelerator the device is simulated: its tensors are CPU tensors that the optimi
 device-resident, and the measurement says so. Their copies across the link go through
 `record_transfer`, which every active `TransferLedger` adds up by direction.
 
+Fake and meta tensors (lesson 13: counting at the paper's sizes) have storages without bytes
+behind them; their sizes are counted all the same, each storage once, as for real tensors.
+
 Measurements: on CPU this is the only one (PyTorch's CPU allocator keeps no statistics): bytes
 of the live storages. On CUDA the report also carries torch.cuda.memory_allocated and
 max_memory_allocated, which include everything else on the device (activations, buffers,
@@ -79,7 +82,15 @@ class ActivationReport:
 
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
     storage = tensor.untyped_storage()
+    if tensor.device.type == "meta" or _is_fake(tensor):  # no data: every storage's pointer is 0
+        return f"{tensor.device} (no data)", storage._cdata  # the storage object itself (lesson 13)
     return str(tensor.device), storage.data_ptr()
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    """A FakeTensor (torch._subclasses.fake_tensor, private): shapes, dtypes and storages, no bytes behind them."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    return isinstance(tensor, FakeTensor)
 
 
 class _StorageCounter:

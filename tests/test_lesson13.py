@@ -1,0 +1,85 @@
+"""Lesson 13, memory at the paper's scale: one rank of up to 1024 counted under torch's fake process group and
+FakeTensorMode equals the formulas up to padding, sends 2Ψ / 3Ψ, costs little real memory, refuses what it
+cannot count, and the typical wrong answers lose their points."""
+
+import pytest
+
+from graded_cells import assert_mutant_fails, assert_reference_full_and_learner_zero
+from zero_lab.memory import model_states_per_device
+from zero_lab.scale import (PAPER_PSI, check_countable, count_rank, count_ranks, largest_model, predicted_bytes,
+                            unit_numels)
+
+LESSON = "13_scale"
+PSI, N = PAPER_PSI["1T"], 1024
+
+
+@pytest.fixture(scope="module")
+def counted_1t():
+    jobs = [dict(psi=PSI, n=N, rank=rank, stage=stage) for stage in (1, 2, 3) for rank in (0, N - 1)]
+    return list(zip(jobs, count_ranks(jobs)))
+
+
+def test_a_1t_count_at_1024_equals_the_formula_up_to_padding(counted_1t):
+    for job, result in counted_1t:
+        assert result["bytes"] == predicted_bytes(unit_numels(PSI), N, job["rank"], job["stage"])
+        formula = sum(model_states_per_device(PSI, N, job["stage"]).values())
+        buffers = len(unit_numels(PSI)) if job["stage"] == 3 else 1
+        assert abs(sum(result["bytes"].values()) - formula) <= 16 * buffers * (N - 1), job
+
+
+def test_bytes_per_step_are_2psi_and_3psi_times_n_minus_1_over_n(counted_1t):
+    for job, result in counted_1t:
+        psis = 3 if job["stage"] == 3 else 2
+        assert sum(result["sent"].values()) == pytest.approx(psis * 2 * PSI * (N - 1) / N, rel=1e-12), job
+
+
+def test_a_1t_count_at_1024_allocates_a_few_hundred_mb_at_most(counted_1t):
+    for job, result in counted_1t:
+        assert 0 <= result["rss_grown_bytes"] < 300 * 2**20, (job, result["rss_grown_bytes"])
+
+
+def test_offload_counts_2psi_on_the_device_and_16psi_over_n_on_the_host():
+    psi, n = 10**8, 64
+    result = count_rank(psi, n, n - 1, 2, offload=True)
+    assert result["device"] == 2 * psi
+    assert sum(result["bytes"].values()) - result["device"] == 16 * psi // n
+
+
+@pytest.mark.parametrize("arguments, words", [
+    (dict(psi=3, n=4), "smaller than one element per rank"),
+    (dict(psi=10, n=0), "n (ranks) must be an int >= 1"),
+    (dict(psi=10, n=4, rank=4), "rank must be in 0..3"),
+    (dict(psi=10, n=4, stage=0), "stage must be 1, 2 or 3"),
+    (dict(psi=10, n=4, stage=3, offload=True), "offload with stage 3"),
+])
+def test_what_cannot_be_counted_is_refused_with_its_limit(arguments, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        check_countable(**arguments)
+    with pytest.raises(ValueError):
+        count_rank(**{"rank": 0, "stage": 1, **arguments})
+
+
+def test_table_2_from_a_count():
+    total = sum(predicted_bytes(unit_numels(7_500_000_000), 64, 0, 3).values())
+    assert largest_model(total, 7_500_000_000, 32e9) == pytest.approx(128e9, rel=1e-6)
+
+
+MUTANTS = {  # name: (text of the reference, the mistake, the graded cell that must fail)
+    "no padding": ("    whole = shard * n  # the padded buffers", "    whole = sum(buffers)", "predicted_bytes"),
+    "stage 2 keeps whole gradients": ('({"gradients"} if stage >= 2 else set())', "set()", "predicted_bytes"),
+    "stage 3 moments on the padding too": ('counted["optimizer_states"] = BYTES_PER_ELEMENT["optimizer_states"] * real',
+                                            'counted["optimizer_states"] = BYTES_PER_ELEMENT["optimizer_states"] * shard',
+                                            "predicted_bytes"),
+    "counted before the step": ("        optimizer.step()\n", "        pass\n", "count_step"),
+    "budget over total bytes": ("return budget_bytes / (counted_total / psi)", "return budget_bytes / counted_total",
+                                "largest_model"),
+}
+
+
+@pytest.mark.parametrize("mutant", MUTANTS)
+def test_typical_mistakes_fail_their_graded_cell(mutant):
+    assert_mutant_fails(LESSON, *MUTANTS[mutant])
+
+
+def test_hidden_tests_are_worth_points(graded):
+    assert_reference_full_and_learner_zero(graded, LESSON, 9)
