@@ -133,6 +133,20 @@ MUTANTS = {
     "parameter gradients never computed": (
         "        torch.autograd.backward(out, grad_out)\n        return x.grad, None, None, None\n",
         "        return torch.autograd.grad(out, x, grad_out)[0], None, None, None\n", "zero_r_checkpoint"),
+    "the whole input kept on ctx besides its slice": ("        return block(x)\n",
+                                                      "        ctx.x = x\n        return block(x)\n", "zero_r_checkpoint"),
+    "partitioned over the whole world, not the model-parallel group": (
+        "        shard = partition_checkpoint(x, dist.get_rank(group), dist.get_world_size(group))\n",
+        "        shard = partition_checkpoint(x, dist.get_rank(), dist.get_world_size())\n", "zero_r_checkpoint"),
+    "parameter gradients overwritten, not accumulated": (
+        "        torch.autograd.backward(out, grad_out)\n        return x.grad, None, None, None\n",
+        "        params = list(ctx.block.parameters())\n"
+        "        grads = torch.autograd.grad(out, [x, *params], grad_out)\n"
+        "        for p, g in zip(params, grads[1:]):\n            p.grad = g\n"
+        "        return grads[0], None, None, None\n", "zero_r_checkpoint"),
+    "bucket all-reduced over the whole world, not the group": (
+        "        dist.all_reduce(bucket[:fill], group=group)\n", "        dist.all_reduce(bucket[:fill])\n",
+        "zero_r_bucketed"),
     "recomputed without enable_grad": ("        with torch.enable_grad():\n            out = ctx.block(x)\n",
                                        "        out = ctx.block(x)\n", "zero_r_checkpoint"),
     "the last, partly filled bucket never reduced": ("    if fill:\n        flush()\n", "", "zero_r_bucketed"),
