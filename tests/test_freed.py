@@ -220,11 +220,11 @@ def _tier_files(nvme_dir: str) -> dict:
     model, optimizer = prepare(_model(frozen=False), torch.optim.AdamW, stage=3, offload="nvme", nvme_dir=nvme_dir,
                                lr=1e-3)
     train(model, optimizer, gpt_batches(STEPS), gpt_loss)
-    directory = str(optimizer.tier.directory)
-    files = sorted(os.listdir(directory))
+    directory, files = str(optimizer.tier.directory), list(optimizer.tier.files.values())
+    alive = [os.fstat(f.fileno()).st_size for f in files]
     del model, optimizer
     gc.collect()
-    return {"directory": directory, "files while alive": files, "exists after drop": os.path.exists(directory),
+    return {"directory": directory, "files while alive": alive, "exists after drop": not all(f.closed for f in files),
             "left in nvme_dir": sorted(os.listdir(nvme_dir))}
 
 
@@ -300,7 +300,7 @@ def test_a_dropped_nvme_tier_removes_its_files(world_size):
     for rank, tier in enumerate(_results(world_size)):
         tier = tier["tier"]
         assert tier["files while alive"], f"rank {rank}: the tier wrote no files in {tier['directory']}"
-        assert not tier["exists after drop"], f"rank {rank}: {tier['directory']} is still there after the drop"
+        assert not tier["exists after drop"], f"rank {rank}: the tier's files in {tier['directory']} are still open after the drop"
         assert tier["left in nvme_dir"] == [], f"rank {rank}: left behind {tier['left in nvme_dir']}"
 
 

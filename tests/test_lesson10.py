@@ -5,6 +5,7 @@ typical wrong answers fail their graded cells."""
 LESSON = "10_infinity"
 
 import errno
+import os
 import time
 
 import pytest
@@ -132,6 +133,20 @@ MUTANTS = {
     "parameter gradients never computed": (
         "        torch.autograd.backward(out, grad_out)\n        return x.grad, None, None, None\n",
         "        return torch.autograd.grad(out, x, grad_out)[0], None, None, None\n", "zero_r_checkpoint"),
+    "the whole input kept on ctx besides its slice": ("        return block(x)\n",
+                                                      "        ctx.x = x\n        return block(x)\n", "zero_r_checkpoint"),
+    "partitioned over the whole world, not the model-parallel group": (
+        "        shard = partition_checkpoint(x, dist.get_rank(group), dist.get_world_size(group))\n",
+        "        shard = partition_checkpoint(x, dist.get_rank(), dist.get_world_size())\n", "zero_r_checkpoint"),
+    "parameter gradients overwritten, not accumulated": (
+        "        torch.autograd.backward(out, grad_out)\n        return x.grad, None, None, None\n",
+        "        params = list(ctx.block.parameters())\n"
+        "        grads = torch.autograd.grad(out, [x, *params], grad_out)\n"
+        "        for p, g in zip(params, grads[1:]):\n            p.grad = g\n"
+        "        return grads[0], None, None, None\n", "zero_r_checkpoint"),
+    "bucket all-reduced over the whole world, not the group": (
+        "        dist.all_reduce(bucket[:fill], group=group)\n", "        dist.all_reduce(bucket[:fill])\n",
+        "zero_r_bucketed"),
     "recomputed without enable_grad": ("        with torch.enable_grad():\n            out = ctx.block(x)\n",
                                        "        out = ctx.block(x)\n", "zero_r_checkpoint"),
     "the last, partly filled bucket never reduced": ("    if fill:\n        flush()\n", "", "zero_r_bucketed"),
@@ -242,19 +257,20 @@ def test_a_write_over_the_quota_fails_and_leaves_the_old_contents(tmp_path):
             tier.write("w", torch.arange(11.0))
         assert error.value.errno == errno.ENOSPC
         assert tier.read("w").tolist() == list(range(6)) and tier.bytes_written == 24
-        assert [p.name for p in tier.directory.iterdir()] == ["w.f32"]  # no temporary left behind
+        assert list(tmp_path.iterdir()) == []  # the tier's files have no name, and no temporary is left behind
         tier.write("w", torch.ones(10))  # replacing within the quota is fine
         assert tier.read("w", 8, 2).tolist() == [1.0, 1.0]
 
 
-def test_close_removes_only_the_tiers_own_files(tmp_path):
+def test_the_tiers_files_have_no_name_and_close_frees_them(tmp_path):
     mine = tmp_path / "keep.txt"
     mine.write_text("a user's file")
     with NvmeTier(tmp_path) as tier:
         tier.write("w", torch.ones(3))
-        directory = tier.directory
-        assert directory.parent == tmp_path and (directory / "w.f32").exists()
-    assert not directory.exists() and mine.read_text() == "a user's file"
+        file = tier.files["w"]
+        assert os.fstat(file.fileno()).st_nlink == 0 and os.fstat(file.fileno()).st_size == 12
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]
+    assert file.closed and tier.files == {} and mine.read_text() == "a user's file"
 
 
 def test_bad_directory_and_names_get_errors_with_the_fix(tmp_path):

@@ -5,7 +5,7 @@
 TokenBucket       a device of a given bandwidth: every transfer waits its bytes / bandwidth, in a queue
 NvmeTier          named flat fp32 tensors in files, each read and write charged to a TokenBucket
 tier_adamw_step   AdamW over master, exp_avg, exp_avg_sq kept on the tier, streamed chunk by chunk,
-                  the next chunks' reads running while the current chunk is updated (§5, §6.2)
+                  the next chunks' reads running while the current chunk is updated (§5.2)
 Zero3Infinity     stage 3 with its shards and those states on the tier: prepare(..., stage=3, offload="nvme")
 TiledLinear       memory-centric tiling (§5.1.3): a Linear sharded tile by tile over the ranks, stage-3 style;
                   TiledLinearFunction runs it with one gathered tile alive at a time (LiveBytes counts them)
@@ -30,7 +30,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zero_lab.cpu_adam import cpu_adam_
-from zero_lab.launcher import remove_when_rank_ends
 from zero_lab.zero1 import MASTER_DTYPE, clip_grad_norm_
 from zero_lab.zero3 import UnitSchedule, Zero3Optimizer
 
@@ -56,36 +55,44 @@ class TokenBucket:
 
 
 class NvmeTier:
-    """SIMULATED NVMe: named flat fp32 tensors, one file each, in a fresh subdirectory of `directory`.
+    """SIMULATED NVMe: named flat fp32 tensors, one file each in `directory`, files that have no name.
 
+    Each file is unlinked as soon as it is created (an anonymous file): the tier holds it open, and the
+    operating system frees it when the tier closes it or when the process ends, however it ends (a
+    crash, SIGKILL, os._exit of a forked rank), so no launcher has to clean up after it. Their bytes
+    count in the disk's free space (df), not in any directory listing.
     bandwidth   bytes/s charged to every read and write (a TokenBucket shared by all threads); None: unthrottled
     quota       the most bytes the tier may hold; a write beyond it raises OSError (ENOSPC) and changes nothing
     bytes_read, bytes_written    every byte moved, counted exactly
     held_bytes  bytes read and not yet written back (with write(..., start=...)): the host memory a
                 streaming loop holds; peak_held_bytes its maximum
-    close() (or leaving a `with` block) removes the subdirectory and everything in it, nothing else;
-    so does dropping the tier (when it is garbage-collected).
+    close() (or leaving a `with` block, or dropping the tier) frees the files at once.
     """
 
     def __init__(self, directory, bandwidth: float | None = None, quota: int | None = None):
+        self.directory = Path(directory)
         try:
-            Path(directory).mkdir(parents=True, exist_ok=True)
-            self.directory = Path(tempfile.mkdtemp(prefix="nvme-tier-", dir=directory))
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._new_file().close()  # can we make files here?
         except OSError as error:
             raise OSError(error.errno, f"NvmeTier cannot create its files under {str(directory)!r} ({error.strerror}): "
                                        f"pass a directory you can write to, e.g. tempfile.gettempdir()") from error
-        remove_when_rank_ends(self.directory)  # a failed rank's files go too
-        self._removal = weakref.finalize(self, shutil.rmtree, self.directory, ignore_errors=True)  # and a dropped tier's
+        self.files: dict = {}  # name -> an open anonymous file
+        self._removal = weakref.finalize(self, _close_all, self.files)  # a dropped tier frees its files at once
         self.bucket = TokenBucket(bandwidth) if bandwidth is not None else None
         self.quota = quota
         self.numels: dict[str, int] = {}
         self.bytes_read = self.bytes_written = self.held_bytes = self.peak_held_bytes = 0
         self.lock = threading.Lock()  # the counters: a prefetching thread reads while the caller writes
 
-    def path(self, name: str) -> Path:
+    def _new_file(self):
+        """A file in the directory that already has no name (O_TMPFILE where the file system has it)."""
+        return tempfile.TemporaryFile(prefix="nvme-tier-", dir=self.directory, buffering=0)
+
+    @staticmethod
+    def check_name(name: str) -> None:
         if not name or os.sep in name or name.startswith("."):
             raise ValueError(f"tensor name {name!r}: use a plain file name (no '{os.sep}', not starting with '.')")
-        return self.directory / f"{name}.f32"
 
     def count(self, nbytes: int, read: bool, held: int) -> None:
         if self.bucket is not None:
@@ -113,43 +120,55 @@ class NvmeTier:
         if name not in self.numels:
             raise KeyError(f"no tensor {name!r} on the tier; it holds {sorted(self.numels)}")
         numel = self.numels[name] - start if numel is None else numel
-        with open(self.path(name), "rb") as file:
-            file.seek(4 * start)
-            data = bytearray(file.read(4 * numel))
+        data = bytearray(4 * numel)
+        done, fd = 0, self.files[name].fileno()
+        while done < len(data):  # pread: no shared file position, so threads may read at once
+            got = os.preadv(fd, [memoryview(data)[done:]], 4 * start + done)
+            if got == 0:
+                raise EOFError(f"{name!r}: the tier's file ends before element {start + done // 4}")
+            done += got
         self.count(len(data), read=True, held=len(data) if held else 0)
         return data
 
+    @staticmethod
+    def _write_at(file, data: bytes, offset: int) -> None:
+        done = 0
+        while done < len(data):
+            done += os.pwrite(file.fileno(), memoryview(data)[done:], offset + done)
+
     def write(self, name: str, tensor: torch.Tensor, start: int | None = None) -> None:
-        """start=None: tensor becomes `name` (atomically: a temporary file, then os.replace).
+        """start=None: tensor becomes `name` (atomically: a new file, swapped in once it is written).
         start=k: write tensor back over elements [k, k + numel) of the existing `name`, in place."""
+        self.check_name(name)
         flat = tensor.detach().to("cpu", torch.float32).contiguous().reshape(-1)
         data = ctypes.string_at(flat.data_ptr(), 4 * flat.numel())  # not .numpy(): it pins the storage's size
         if start is not None:
             if start + len(data) // 4 > self.numels.get(name, -1):
                 raise ValueError(f"{name!r}: a slice [{start}, {start + len(data) // 4}) beyond its {self.numels.get(name)} elements")
-            with open(self.path(name), "r+b") as file:
-                file.seek(4 * start)
-                file.write(data)
+            self._write_at(self.files[name], data, 4 * start)
             return self.count(len(data), read=False, held=-len(data))
         used = 4 * (sum(self.numels.values()) - self.numels.get(name, 0)) + len(data)
         if self.quota is not None and used > self.quota:
             raise OSError(errno.ENOSPC, f"NvmeTier quota of {self.quota} bytes exceeded: writing {name!r} "
                                         f"({len(data)} bytes) would make {used}; pass a larger quota= or delete() a tensor")
-        temporary = self.path(name).with_suffix(".tmp")
+        file = self._new_file()
         try:
-            temporary.write_bytes(data)
-            os.replace(temporary, self.path(name))
-        finally:
-            temporary.unlink(missing_ok=True)
+            self._write_at(file, data, 0)
+        except BaseException:
+            file.close()  # a full disk: the old contents stay
+            raise
+        old, self.files[name] = self.files.get(name), file
+        if old is not None:
+            old.close()
         self.numels[name] = len(data) // 4
         self.count(len(data), read=False, held=0)
 
     def delete(self, name: str) -> None:
-        self.path(name).unlink()
+        self.files.pop(name).close()
         del self.numels[name]
 
     def close(self) -> None:
-        self._removal()  # shutil.rmtree(self.directory, ignore_errors=True), once
+        self._removal()  # closes every file (the OS frees it), once
         self.numels.clear()
 
     def __enter__(self):
@@ -157,6 +176,12 @@ class NvmeTier:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _close_all(files: dict) -> None:
+    for file in files.values():
+        file.close()
+    files.clear()
 
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
@@ -264,8 +289,8 @@ class Zero3Infinity(Zero3Optimizer):
     nvme_bandwidth  bytes/s charged to every transfer of the tier (None: as fast as the files go)
     nvme_quota      the most bytes this rank's tier may hold (checked before anything is written)
     nvme_chunk_numel  elements per streamed chunk
-    The tier's directory is removed by close(), when the optimizer is garbage-collected, at exit, and by
-    zero_lab.launch however a rank ends.
+    The tier's files have no name (NvmeTier): the OS frees them when this process ends, however it ends and
+    whatever launched it; close(), or leaving `with optimizer:`, frees them at once.
     """
 
     def __init__(self, model, optimizer_class=torch.optim.AdamW, params=None, *, nvme_dir=None,
@@ -313,10 +338,16 @@ class Zero3Infinity(Zero3Optimizer):
                                             f"use {fix}, or more ranks")
 
     def close(self) -> None:
-        """Remove the tier's files (every rank calls it when training ends; at exit it happens anyway)."""
+        """Free the tier's files now (when the process ends, the OS frees them anyway)."""
         if hasattr(self, "tier"):  # not if __init__ failed before making it
             self.schedule.reader.shutdown()
             self.tier.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _load_shard(self, unit) -> None:
         """Read the unit's shard from the tier into unit.shard (the schedule's loader: runs in its reader thread)."""
