@@ -22,15 +22,14 @@ No process outlives `launch`: each rank runs in its own session, and every path 
 SIGKILL to each rank's process group (so processes a rank started with subprocess or os.fork
 go too) and a reap, even when Ctrl-C is pressed twice. Ranks also die with their parent
 (PR_SET_PDEATHSIG) if the caller itself is killed; the rendezvous directory such a killed
-caller leaves behind is removed by the next `launch`. Directories a rank makes for its own use
-(an NVMe tier's files) go with the ranks too: `remove_when_rank_ends(path)`.
+caller leaves behind is removed by the next `launch`. (An NVMe tier's files need no help: they
+have no name on disk, so the OS frees them when their rank ends, however it ends.)
 
 Under `torchrun`, call `init_distributed()` instead: it reads torchrun's environment.
 """
 
 from __future__ import annotations
 
-import atexit
 import builtins
 import ctypes
 import faulthandler
@@ -67,12 +66,10 @@ DEFAULT_TIMEOUT = 120.0
 PROCESS_GROUP_TIMEOUT_MARGIN = 60.0
 FAILURE_GRACE = 5.0  # seconds to wait for the rank that broke the connections, once a peer reports it
 RENDEZVOUS_PREFIX = "zero_lab_rendezvous_"
-REMOVALS = "remove-when-ranks-end"  # in a rendezvous directory: paths its ranks made, removed with it
 # How a rank reports that a peer went away: its error is a consequence, not the cause.
 TRANSPORT_ERROR = re.compile(r"Connection (reset|closed) by peer|Broken pipe|gloo/transport|DistNetworkError"
                              r"|NCCL communicator was aborted|ncclRemoteError")
 _in_rank = False  # True in a process that launch started
-_removals_file = None  # in a rank: where remove_when_rank_ends lists paths for launch to remove
 
 
 class RankFailed(RuntimeError):
@@ -160,10 +157,10 @@ def _die_with_parent() -> None:
 
 
 def _rank_main(fn, args, kwargs, rank, world_size, store_file, conn, stack_file, timeout, restore, device):
-    global _in_rank, _removals_file
+    global _in_rank
     if restore:
         restore_as_imported()
-    _in_rank, _removals_file = True, os.path.join(os.path.dirname(store_file), REMOVALS)
+    _in_rank = True
     _die_with_parent()
     os.setsid()  # a process group of its own: launch kills whatever this rank starts along with it
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the parent while it forked
@@ -374,38 +371,12 @@ def _clean_up(procs, closables, store_dir) -> None:
                     proc.join()
                 for item in closables:
                     item.close()
-                _remove_listed(os.path.join(store_dir, REMOVALS))
                 shutil.rmtree(store_dir, ignore_errors=True)
             break
         except KeyboardInterrupt as interrupt:  # delivered just before SIGINT was blocked
             interrupted = interrupt
     if interrupted is not None:
         raise interrupted
-
-
-def remove_when_rank_ends(path) -> None:
-    """Remove the directory `path` (made by this process) when its work ends, however it ends.
-
-    In a rank of zero_lab.launch, launch removes it after killing the ranks (a failed or hung rank
-    included); elsewhere (torchrun, a script), at interpreter exit. A rank that is SIGKILLed under
-    torchrun leaves it behind: its owner removes it earlier where it can (e.g. NvmeTier.close).
-    """
-    path = os.path.abspath(path)
-    if _removals_file is None:
-        atexit.register(shutil.rmtree, path, ignore_errors=True)
-        return
-    with open(_removals_file, "a") as listing:
-        listing.write(path + "\n")
-
-
-def _remove_listed(listing: str) -> None:
-    try:
-        with open(listing) as f:
-            paths = f.read().splitlines()
-    except FileNotFoundError:
-        return
-    for path in paths:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _kill_group(proc) -> None:
@@ -422,7 +393,6 @@ def _remove_stale_rendezvous_dirs() -> None:
     for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{RENDEZVOUS_PREFIX}*_*")):
         owner = os.path.basename(path)[len(RENDEZVOUS_PREFIX):].split("_")[0]
         if owner.isdigit() and not _process_exists(int(owner)):
-            _remove_listed(os.path.join(path, REMOVALS))  # what its ranks asked to have removed, too
             shutil.rmtree(path, ignore_errors=True)
 
 
