@@ -123,7 +123,7 @@ def check_memory(device: str, quick: bool) -> list[dict]:
                                      f"{ratio:.4f}", f"1 to {1 + STATES_PADDING:g}", 1 <= ratio <= 1 + STATES_PADDING))
             if f["peak"] is not None:
                 rows.append(_row("memory", f"{label}, Nd={nd}: peak / (formula + activations)",
-                                 f"{f['peak'] / (formula + f['activations']):.3f}", "≥ 1 (temporaries)",
+                                 f"{f['peak'] / (formula + f['activations']):.3f}", "peak ≥ model states",
                                  f["peak"] >= states))
             if nd > 1:
                 ratio = f["sent_bytes"] / (f["comm_formula"] + _regathered(bench, label, nd))
