@@ -5,7 +5,9 @@ cannot count, and the typical wrong answers lose their points."""
 import pytest
 
 from graded_cells import assert_mutant_fails, assert_reference_full_and_learner_zero
+import zero_lab
 from zero_lab.memory import model_states_per_device
+from zero_lab.memory_drop import dominant_cause, gpt_config, measure_runs, one_unit, peak_parts, tracked_step, tracker_vs_ledger
 from zero_lab.scale import (PAPER_PSI, check_countable, count_rank, count_ranks, largest_model, predicted_bytes,
                             unit_numels)
 
@@ -64,6 +66,37 @@ def test_table_2_from_a_count():
     assert largest_model(total, 7_500_000_000, 32e9) == pytest.approx(128e9, rel=1e-6)
 
 
+def test_stage_3_with_one_unit_gathers_the_whole_model_while_the_counted_states_stay():
+    layered, whole = measure_runs([(gpt_config(1, 32, 16), 3, 1), (gpt_config(1, 32, 16), 3, 1, dict(units=one_unit))], 2)
+    assert whole["counted"] == layered["counted"] and abs(whole["counted"] - whole["formula"]) <= 128
+    assert whole["residual"]["gathered parameters"] == 2 * whole["psi"]
+    assert layered["residual"]["gathered parameters"] < whole["residual"]["gathered parameters"]
+
+
+def test_activations_dominate_a_large_batch_and_fixed_overheads_a_tiny_model():
+    assert dominant_cause(peak_parts(121_000, 2, 3, [17_000] * 7, activations=24 * 2**20)) == "activations"
+    assert dominant_cause(peak_parts(10**4, 8, 1, [10**4], activations=0, fixed=300 * 2**20)) == "fixed overheads"
+    assert dominant_cause(peak_parts(10**9, 8, 2, [10**9], activations=2**20)) == "model states"
+
+
+def _tracked(stage):
+    import warnings
+    warnings.simplefilter("ignore")
+    return tracked_step(gpt_config(1, 32, 16), stage, rows=2)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_memtracker_agrees_with_the_ledger_where_both_count_the_same_tensors(stage):
+    result = zero_lab.launch(_tracked, 1, stage, timeout=60)[0]
+    rows = {name: (mine, theirs) for name, mine, theirs, _ in tracker_vs_ledger(result["tracker"], result["ledger"])}
+    mine, theirs = rows["total"]
+    assert 0 <= theirs - mine <= 8 * 2**10 + 2**12, rows  # the causal mask, the loss, AdamW's step counters
+    if stage == 0:
+        assert rows["parameters"][0] == rows["parameters"][1] and rows["gradients"][0] == rows["gradients"][1], rows
+    else:  # stage 3's flat bf16 shards are no module's parameters: MemTracker does not call them parameters
+        assert rows["parameters"][1] == 0 < rows["parameters"][0], rows
+
+
 MUTANTS = {  # name: (text of the reference, the mistake, the graded cell that must fail)
     "no padding": ("    whole = shard * n  # the padded buffers", "    whole = sum(buffers)", "predicted_bytes"),
     "stage 2 keeps whole gradients": ('({"gradients"} if stage >= 2 else set())', "set()", "predicted_bytes"),
@@ -71,6 +104,14 @@ MUTANTS = {  # name: (text of the reference, the mistake, the graded cell that m
                                             'counted["optimizer_states"] = BYTES_PER_ELEMENT["optimizer_states"] * shard',
                                             "predicted_bytes"),
     "counted before the step": ("        optimizer.step()\n", "        pass\n", "count_step"),
+    "activations left out": ('activations=figures["activations"],', "activations=0,", "measure_step"),
+    "stage 2 keeps whole gradients in the peak": ("gradients = 2 * psi / (n if stage >= 2 else 1)",
+                                                  "gradients = 2 * psi / (n if stage >= 3 else 1)", "peak_parts"),
+    "a gathered unit as its shard": ("2 * max(units) if stage == 3", "2 * max(units) / n if stage == 3", "peak_parts"),
+    "the largest residual part always dominates": ('return cause if others[cause] > parts["model states"] else "model states"',
+                                                   "return cause", "peak_parts"),
+    "masters left out of MemTracker's optimizer row": ('for category in name.split(" + "))', 'for category in name.split(" + ")[-1:])',
+                                                       "tracker_vs_ledger"),
     "budget over total bytes": ("return budget_bytes / (counted_total / psi)", "return budget_bytes / counted_total",
                                 "largest_model"),
 }
@@ -82,4 +123,4 @@ def test_typical_mistakes_fail_their_graded_cell(mutant):
 
 
 def test_hidden_tests_are_worth_points(graded):
-    assert_reference_full_and_learner_zero(graded, LESSON, 9)
+    assert_reference_full_and_learner_zero(graded, LESSON, 18)
