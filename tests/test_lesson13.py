@@ -73,6 +73,42 @@ def test_stage_3_with_one_unit_gathers_the_whole_model_while_the_counted_states_
     assert layered["residual"]["gathered parameters"] < whole["residual"]["gathered parameters"]
 
 
+@pytest.fixture(scope="module")
+def drop_runs():
+    """Section 7's buffer, small-model and one-unit reproductions: rank 0's measure_step by run name and Nd."""
+    wide, tiny = gpt_config(2, 128, 16), gpt_config(1, 32, 16)
+    runs = {"one unit": (wide, 3, 1, dict(units=one_unit)), "units per layer": (wide, 3, 1), "tiny": (tiny, 3, 1)}
+    plan = {1: ["tiny"], 2: ["one unit", "tiny"], 4: ["one unit", "units per layer", "tiny"]}
+    return {nd: dict(zip(names, measure_runs([runs[name] for name in names], nd))) for nd, names in plan.items()}
+
+
+def _buffers(r):
+    return sum(r["residual"][k] for k in ("gathered parameters", "gradient buckets", "temporaries"))
+
+
+def test_communication_buffers_do_not_drop_with_nd_while_the_states_halve(drop_runs):
+    two, four = drop_runs[2]["one unit"], drop_runs[4]["one unit"]
+    assert four["counted"] / two["counted"] == pytest.approx(0.5, abs=0.02)
+    assert four["peak"] / two["peak"] > 0.6, (two["peak"], four["peak"])  # the states halve, the peak does not
+    assert _buffers(four) > 0.5 * four["peak"] and _buffers(four) > 0.7 * _buffers(two), (_buffers(two), _buffers(four))
+    assert four["residual"]["gathered parameters"] == 2 * four["psi"]
+
+
+def test_a_small_model_leaves_what_the_process_holds_where_it_was(drop_runs):
+    runs = [drop_runs[nd]["tiny"] for nd in (1, 2, 4)]
+    assert runs[2]["counted"] / runs[0]["counted"] == pytest.approx(0.25, abs=0.02)
+    rss = [r["rss"]["VmRSS"] for r in runs]
+    assert all(abs(x / rss[0] - 1) < 0.15 for x in rss), rss
+    assert all(r["rss"]["VmRSS"] > 100 * r["counted"] for r in runs), rss
+
+
+def test_one_unit_keeps_the_whole_model_gathered_at_every_nd_where_units_per_layer_do_not(drop_runs):
+    whole, layered = drop_runs[4]["one unit"], drop_runs[4]["units per layer"]
+    assert whole["counted"] == layered["counted"]
+    assert layered["residual"]["gathered parameters"] < whole["residual"]["gathered parameters"] == 2 * whole["psi"]
+    assert whole["peak"] >= whole["counted"] + 2 * whole["psi"] and whole["peak"] > layered["peak"], (whole, layered)
+
+
 def test_activations_dominate_a_large_batch_and_fixed_overheads_a_tiny_model():
     assert dominant_cause(peak_parts(121_000, 2, 3, [17_000] * 7, activations=24 * 2**20)) == "activations"
     assert dominant_cause(peak_parts(10**4, 8, 1, [10**4], activations=0, fixed=300 * 2**20)) == "fixed overheads"
