@@ -173,6 +173,16 @@ MUTANTS = {
     "the next read submitted after the write-back (no overlap)": (SUBMIT_NEXT + UPDATE_CHUNK, UPDATE_CHUNK + SUBMIT_NEXT,
                                                                    "inf_tier_adamw"),
     "on_update never called": ("                on_update(name, start, master)\n", "                pass\n", "inf_tier_adamw"),
+    "the shard never dropped at release": ("        super().release(unit, phase)\n        unit.shard.untyped_storage().resize_(0)\n",
+                                           "        super().release(unit, phase)\n", "inf_tier_schedule"),
+    "a prefetched shard read on the main thread": ("        if not async_op:\n            self.load(unit)\n",
+                                                   "        if True:\n            self.load(unit)\n", "inf_tier_schedule"),
+    "the prefetch's all-gather started before its read finished": (
+        "        self.read.result()\n        self.gather()\n", "        self.gather()\n        self.read.result()\n",
+        "inf_tier_schedule"),
+    "the shard read twice per gather": ("            self.load(unit)\n            return super().all_gather(unit, phase)\n",
+                                        "            self.load(unit)\n            self.load(unit)\n"
+                                        "            return super().all_gather(unit, phase)\n", "inf_tier_schedule"),
     "the forward tile never freed (two alive at once)": (
         "            del flat, weight, bias  # freed before the next tile is gathered\n", "", "inf_tiled_linear"),
     "the backward tile never freed": ("            del flat, weight\n", "", "inf_tiled_linear"),
@@ -196,7 +206,7 @@ def test_typical_mistakes_fail_their_graded_cell(mutant):
 
 
 def test_hidden_tests_are_worth_points(graded):
-    assert_reference_full_and_learner_zero(graded, LESSON, 24)
+    assert_reference_full_and_learner_zero(graded, LESSON, 27)
 
 
 def train_two_blocks(steps, partitioned):

@@ -249,6 +249,8 @@ class TierSchedule(UnitSchedule):
         self.load = None  # load(unit) fills unit.shard from the tier (Zero3Infinity sets it)
 
     def all_gather(self, unit, phase, async_op=False):
+        """Read the unit's shard from the tier (self.load), then all-gather it (stage 3's own all_gather); with
+        async_op, the read runs in self.reader and the returned handle's wait() ends it, then all-gathers."""
         if not async_op:
             self.load(unit)
             return super().all_gather(unit, phase)
@@ -256,6 +258,7 @@ class TierSchedule(UnitSchedule):
         return ReadThenGather(self.reader.submit(self.load, unit), partial(super().all_gather, unit, phase))
 
     def release(self, unit, phase) -> None:
+        """Free the gathered unit (stage 3's own release), then drop the shard: the tier keeps it."""
         super().release(unit, phase)
         unit.shard.untyped_storage().resize_(0)
 
