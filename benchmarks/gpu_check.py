@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -34,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmar
 
 import zero_lab  # noqa: E402
 from zero_lab.data import regression_batches, shard_batch  # noqa: E402
-from zero_lab.models import MLP  # noqa: E402
+from zero_lab.models import MLP, GPTConfig  # noqa: E402
+from zero_lab.rank_placement import DEVICE_VARIABLE  # noqa: E402
 
 SIZES = [6, 9, 5]  # 113 parameters, a prime: every world size pads and cuts through tensors
 STEPS, GLOBAL_BATCH = 4, 8
@@ -161,7 +164,6 @@ def _measure_link(size_mb: int) -> dict:  # in a rank: CUDA stays uninitialised 
 
 
 def check_fsdp2(device: str, quick: bool) -> list[dict]:
-    from zero_lab.models import GPTConfig
     from zero_lab.side_by_side import SIZES, stage3_vs_fsdp2
 
     sizes = {"tiny": GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=16, block_size=16)} if quick else \
@@ -182,25 +184,9 @@ def check_fsdp2(device: str, quick: bool) -> list[dict]:
 CHECKS = {"training": check_training, "memory": check_memory, "link": check_link, "fsdp2": check_fsdp2}
 
 
-class _device_variable:
-    """$ZERO_LAB_DEVICE set for the block, for code that launches ranks without a device= argument."""
-
-    def __init__(self, device: str):
-        self.device = device
-
-    def __enter__(self):
-        import os
-
-        self.saved = os.environ.get("ZERO_LAB_DEVICE")
-        os.environ["ZERO_LAB_DEVICE"] = self.device
-
-    def __exit__(self, *exc):
-        import os
-
-        if self.saved is None:
-            os.environ.pop("ZERO_LAB_DEVICE", None)
-        else:
-            os.environ["ZERO_LAB_DEVICE"] = self.saved
+def _device_variable(device: str):
+    """$ZERO_LAB_DEVICE set for a block, for code that launches ranks without a device= argument."""
+    return mock.patch.dict(os.environ, {DEVICE_VARIABLE: device})
 
 
 def _row(check: str, what: str, figure: str, expected: str, ok: bool) -> dict:

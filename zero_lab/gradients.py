@@ -39,10 +39,9 @@ def local_grad(optimizer, param: torch.Tensor) -> GradPiece | None:
     (stages 0-1: or it has no .grad); stages 2-3 keep zeros for a parameter no rank's backward
     reached. Stages 0 and 1 give the whole gradient (start 0)."""
     stage = _stage(optimizer)
-    if stage == 3:
-        return _stage3_piece(optimizer, param)
-    if stage == 2:
-        return _stage2_piece(optimizer, param)
+    if stage >= 2:
+        found = _sharded(optimizer, param, stage)
+        return None if found is None else found[0]
     if param.grad is None:
         return None
     grad = param.grad.reshape(-1)
@@ -57,16 +56,15 @@ def full_grad(optimizer, param: torch.Tensor) -> torch.Tensor | None:
     """The whole averaged gradient of param, shaped like it, on every rank (a collective: the
     ranks that hold its pieces add them up). None if the optimizer does not train param."""
     stage = _stage(optimizer)
-    if stage not in (2, 3):
+    if stage < 2:
         piece = local_grad(optimizer, param)
         return None if piece is None else piece.values.view(param.shape)
-    piece = local_grad(optimizer, param)
-    shape = _full_shape(optimizer, param)
-    if shape is None:
+    found = _sharded(optimizer, param, stage)
+    if found is None:
         return None
-    full = torch.zeros(shape.numel(), dtype=_grad_dtype(optimizer, param), device=_grad_device(optimizer, param))
-    if piece is not None:
-        full[piece.start:piece.stop] = piece.values
+    piece, shape = found
+    full = piece.values.new_zeros(shape.numel())
+    full[piece.start:piece.stop] = piece.values
     dist.all_reduce(full, group=getattr(optimizer, "shard_group", None))  # each element is on one rank only
     return full.view(shape)
 
@@ -82,44 +80,21 @@ def _stage(optimizer) -> int:
     return getattr(optimizer, "stage", 0)  # a torch optimizer beside stage 0's wrapper: whole, averaged
 
 
-def _stage2_piece(optimizer, param) -> GradPiece | None:
-    if id(param) not in optimizer.master_offsets:
-        return None
-    group, offset = optimizer.master_offsets[id(param)]
-    index = optimizer.groups.index(group)
-    start, stop = group.layout.shard(optimizer.rank)
-    lo, hi = max(offset, start), min(offset + param.numel(), stop)
-    if lo >= hi:
-        return GradPiece(optimizer.grad_shards[index][:0], 0)
-    return GradPiece(optimizer.grad_shards[index][lo - start:hi - start], lo - offset)
-
-
-def _stage3_piece(optimizer, param) -> GradPiece | None:
-    for unit in optimizer.units:
+def _sharded(optimizer, param, stage: int) -> tuple[GradPiece, torch.Size] | None:
+    """(this rank's piece of param's gradient shard, param's whole shape), or None if not trained.
+    Every rank has a piece of every trained parameter, empty where its shard holds none of it."""
+    if stage == 2:
+        if id(param) not in optimizer.master_offsets:
+            return None
+        group, offset = optimizer.master_offsets[id(param)]
+        shard = next(shard for g, shard in zip(optimizer.groups, optimizer.grad_shards) if g is group)
+        start, stop = group.layout.shard(optimizer.rank)
+        lo, hi = max(offset, start), min(offset + param.numel(), stop)
+        piece = GradPiece(shard[lo - start:hi - start], lo - offset) if lo < hi else GradPiece(shard[:0], 0)
+        return piece, param.shape
+    for unit in optimizer.units:  # stage 3: the parameter itself is empty between steps
         for piece in unit.slices:
             if piece.param is param:
                 values = unit.grad_shard[piece.shard_offset:piece.shard_offset + piece.master.numel()]
-                return GradPiece(values, piece.param_offset)
+                return GradPiece(values, piece.param_offset), next(shape for p, shape in zip(unit.params, unit.shapes) if p is param)
     return None
-
-
-def _full_shape(optimizer, param) -> torch.Size | None:
-    if _stage(optimizer) == 2:
-        return param.shape if id(param) in optimizer.master_offsets else None
-    for unit in optimizer.units:  # stage 3: the parameter itself is empty between steps
-        for p, shape in zip(unit.params, unit.shapes):
-            if p is param:
-                return shape
-    return None
-
-
-def _grad_dtype(optimizer, param) -> torch.dtype:
-    if _stage(optimizer) == 2:
-        return optimizer.grad_shards[0].dtype
-    return next(unit.grad_shard.dtype for unit in optimizer.units if unit.grad_shard is not None)
-
-
-def _grad_device(optimizer, param) -> torch.device:
-    if _stage(optimizer) == 2:
-        return optimizer.grad_shards[0].device
-    return next(unit.grad_shard.device for unit in optimizer.units if unit.grad_shard is not None)

@@ -85,7 +85,8 @@ def prepare(model: torch.nn.Module, optimizer_class: type, stage: int = 0, *, pa
     """Return (model, optimizer) set up for data-parallel training with the given ZeRO stage."""
     model = next((m for m, made in list(_prepared.items()) if made() is model), model)  # given stage 0's wrapper back
     _check_setup(model, optimizer_class, stage)
-    device = _training_device(model, options.pop("device", None))
+    on_meta = any(p.device.type == "meta" for p in model.parameters())  # stage 3 makes it (init_fn=)
+    device = _training_device(model, options.pop("device", None), on_meta)
     row = STAGES[stage]
     zero_options = {k: options.pop(k) for k in list(options) if k in row.options}
     _check_options(optimizer_class, stage, options)
@@ -115,7 +116,6 @@ def prepare(model: torch.nn.Module, optimizer_class: type, stage: int = 0, *, pa
             previous.close()
         del previous
         model.zero_grad(set_to_none=True)  # views into the old optimizer's buffers
-    on_meta = any(p.device.type == "meta" for p in model.parameters())
     if not on_meta:
         model.to(device)
     built = getattr(module, builds)
@@ -141,11 +141,10 @@ def _build(row, built, module, model, optimizer_class, params, param_dtype, opti
     return wrapped, optimizer
 
 
-def _training_device(model, device) -> torch.device:
+def _training_device(model, device, on_meta: bool) -> torch.device:
     """Where the model trains: `device`, else where it is if the process group carries that device's
     tensors, else the current GPU (a CPU model under an nccl-only group). A meta model (stage 3's
     init_fn) is made on `device`, else on torch's default device."""
-    current = next(model.parameters()).device
     if device is not None:
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -153,8 +152,9 @@ def _training_device(model, device) -> torch.device:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         return device
-    if current.type == "meta":
+    if on_meta:
         return torch.get_default_device()
+    current = next(model.parameters()).device
     carried = {d.type for d in dist.distributed_c10d._get_default_group()._device_types}
     if current.type in carried:
         return current
