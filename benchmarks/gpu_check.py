@@ -14,12 +14,18 @@ Checks, each a row of one table (written to gpu_check.json too); the exit status
   link       ZeRO-Offload's host-device link (benchmarks/link_overlap.py): bandwidth each way, and
              whether uploads and downloads hide at least half their time behind matmuls (GPU only)
   fsdp2      our stage 3 against PyTorch's FSDP2 on the same GPT: same losses, the ratio of step times
+  snapshot   a memory timeline of rank 0 building and training one step of each stage (CUDA: the
+             allocator's history; CPU: the profiler's memory profile), saved as STAGE.html to open
+             in a browser (and STAGE.pickle for pytorch.org/memory_viz) under --snapshots; its peak
+             against the memory ledger's model states (zero_lab/memory_timeline.py)
 The first line says where the ranks run, the card and the torch version.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import sys
@@ -181,7 +187,58 @@ def check_fsdp2(device: str, quick: bool) -> list[dict]:
     return rows
 
 
-CHECKS = {"training": check_training, "memory": check_memory, "link": check_link, "fsdp2": check_fsdp2}
+SNAPSHOTS = {  # file name -> prepare's options; each one step of a GPT on 2 ranks, rank 0 recorded
+    "stage0": dict(stage=0), "stage1": dict(stage=1), "stage2": dict(stage=2), "stage3": dict(stage=3),
+    "stage2-offload": dict(stage=2, offload="cpu"),
+}
+
+
+def check_snapshot(device: str, quick: bool, directory: Path = Path("gpu_check_snapshots")) -> list[dict]:
+    config = GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=16, block_size=16) if quick else \
+        GPTConfig(vocab_size=256, n_layer=4, n_head=6, n_embd=384, block_size=64)  # side_by_side's "7M"
+    rows = []
+    for name, options in SNAPSHOTS.items():
+        if quick and name not in ("stage1", "stage3"):
+            continue
+        figures = zero_lab.launch(_recorded_step, 2, config, options, str(directory / name), device=device)[0]
+        peak, states = figures["peak"], figures["model_states"]
+        figure = f"peak {peak / 2**20:.2f} MiB, states {states / 2**20:.2f} MiB"
+        if figures["allocator_peak"] is not None:
+            figure += f", allocator {figures['allocator_peak'] / 2**20:.2f}"
+        rows.append(_row("snapshot", f"{name}, rank 0 -> {name}.html", figure, "peak ≥ states",
+                         peak >= states and Path(figures["html"]).stat().st_size > 0))
+    return rows
+
+
+def _recorded_step(config: GPTConfig, options: dict, stem: str) -> dict:
+    """Build the GPT, prepare it and train one step; rank 0 records it all. The model states are
+    counted after the step, when the optimizer's states exist."""
+    from zero_lab.memory_ledger import model_state_bytes
+    from zero_lab.memory_timeline import recorded
+    from zero_lab.models import GPT
+
+    device = zero_lab.rank_device()
+    tokens = torch.randint(0, config.vocab_size, (4, config.block_size), generator=torch.Generator().manual_seed(0))
+    recording = recorded(device) if dist.get_rank() == 0 else contextlib.nullcontext()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with recording as timeline:
+        model, optimizer = zero_lab.prepare(GPT(config), torch.optim.AdamW, device=device, lr=1e-3, **options)
+        model(tokens.to(device), tokens.to(device))[1].backward()
+        optimizer.step()
+        if hasattr(optimizer, "flush"):
+            optimizer.flush()
+    if timeline is None:
+        return {}
+    placement = dict(placement="device") if options.get("offload") else {}
+    html, _ = timeline.save(stem)
+    return dict(peak=timeline.peak_bytes(), model_states=model_state_bytes(model, optimizer, **placement).total,
+                allocator_peak=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+                html=str(html))
+
+
+CHECKS = {"training": check_training, "memory": check_memory, "link": check_link, "fsdp2": check_fsdp2,
+          "snapshot": check_snapshot}
 
 
 def _device_variable(device: str):
@@ -218,14 +275,17 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer world sizes and steps (CI's CPU run)")
     parser.add_argument("--checks", nargs="+", choices=list(CHECKS), default=list(CHECKS))
     parser.add_argument("--json", default="gpu_check.json", help="where to write the figures")
+    parser.add_argument("--snapshots", default="gpu_check_snapshots", type=Path,
+                        help="where the snapshot check writes its memory timelines")
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.device_count() else "cpu")
     print(machine(device), flush=True)
+    checks = dict(CHECKS, snapshot=functools.partial(check_snapshot, directory=args.snapshots))
     rows, start = [], time.monotonic()
     for name in args.checks:
         began = time.monotonic()
         try:
-            rows += CHECKS[name](device, args.quick)
+            rows += checks[name](device, args.quick)
         except Exception as error:  # one broken check must not hide the others' figures
             rows.append(_row(name, "the check itself", f"{type(error).__name__}: {str(error)[:60]}", "runs", False))
         print(f"{name}: {time.monotonic() - began:.0f} s", file=sys.stderr, flush=True)

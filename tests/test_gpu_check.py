@@ -18,7 +18,8 @@ def _gpu_check():
 def test_every_check_passes_on_the_cpu_and_lands_in_one_table_and_a_json(tmp_path, capsys):
     gpu_check = _gpu_check()
     path = tmp_path / "gpu_check.json"
-    assert gpu_check.main(["--device", "cpu", "--quick", "--json", str(path)]) == 0
+    snapshots = tmp_path / "snapshots"
+    assert gpu_check.main(["--device", "cpu", "--quick", "--json", str(path), "--snapshots", str(snapshots)]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].startswith("2 ranks on CPU, gloo; no GPU; torch ")
     figures = json.loads(path.read_text())
@@ -27,6 +28,8 @@ def test_every_check_passes_on_the_cpu_and_lands_in_one_table_and_a_json(tmp_pat
     trained = [row["what"] for row in figures["rows"] if row["check"] == "training"]
     assert trained == [f"{label}, 2 ranks" for label, (ranks, _, _) in gpu_check.TRAINING.items() if ranks == 2]
     assert f"{len(figures['rows'])} passed, 0 failed" in out
+    recorded = sorted(p.name for p in snapshots.iterdir())
+    assert recorded == ["stage1.html", "stage1.pickle", "stage3.html", "stage3.pickle"]
 
 
 def test_a_failed_check_fails_the_run_and_says_which(tmp_path, monkeypatch, capsys):
