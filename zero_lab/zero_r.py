@@ -1,15 +1,19 @@
-# Generated from solutions/10_infinity/10_infinity.ipynb by `zero-lab build`: edit the notebook, not this file.
+# Generated from solutions/14_zero_r/14_zero_r.ipynb by `zero-lab build`: edit the notebook, not this file.
 
 """ZeRO-R (ZeRO paper §6): the residual states — activations, temporary buffers, fragmentation.
 
-TensorParallelMLP         one rank's slice of Linear-GeLU-Linear (column-, then row-parallel, one all-reduce)
-partition_checkpoint      P_a: this rank's 1/Nm slice of an activation, zero-padded to whole slices
-gather_checkpoint         P_a: the whole activation back from the Nm slices (one all-gather)
-PartitionedCheckpoint     P_a: recompute a block in backward, keeping only 1/Nm of its input (P_a+cpu: on the host)
-saved_bytes               bytes autograd keeps for backward while a function runs (parameters left out)
-bucketed_all_reduce       C_B: average gradients through one buffer of constant size
-FirstFitAllocator         M_D: a first-fit allocator over a byte range, to see fragmentation
-Arena, residual_trace     M_D: a pre-allocated contiguous buffer for the long-lived tensors
+TensorParallelMLP          one rank's slice of Linear-GeLU-Linear (column-, then row-parallel, one all-reduce)
+partition_checkpoint       P_a: this rank's 1/Nm slice of an activation, zero-padded to whole slices
+gather_checkpoint          P_a: the whole activation back from the Nm slices (one all-gather)
+PartitionedCheckpoint      P_a: recompute a block in backward, keeping only 1/Nm of its input (P_a+cpu: on the host)
+saved_bytes                bytes autograd keeps for backward while a function runs (parameters left out)
+bytes_during               bytes of the tensors a function creates: the most alive at once, and in all
+fused_all_reduce           average gradients through one buffer holding them all (4Ψ bytes in fp32)
+bucketed_all_reduce        C_B: the same average through one buffer of constant size
+FirstFitAllocator          a model of a device allocator (first fit), to see fragmentation
+ContiguousBuffer           M_D: one pre-allocated buffer; long-lived tensors are copied into views of it
+keep_gradients_contiguous  M_D for gradients: each .grad moved into the buffer as backward produces it
+residual_trace             a forward pass in the allocator model, with and without M_D
 """
 
 from __future__ import annotations
@@ -124,19 +128,52 @@ def saved_bytes(fn, *args, **kwargs) -> tuple[object, int]:
     return out, sum(storages.values())
 
 
-def fused_all_reduce(params, group=None) -> int:
-    """Average every gradient over the ranks through one buffer holding them all; returns its bytes."""
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class _NewStorages(TorchDispatchMode):
+    """Every storage an operator returns that none of its inputs had: its bytes while it lives."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak, self.allocated = [], 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = lambda tree: [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+        inputs = {t.untyped_storage().data_ptr() for t in tensors((args, kwargs))}
+        self.live = [(ref, nbytes) for ref, nbytes in self.live if not ref.expired()]
+        for tensor in tensors(out):
+            storage = tensor.untyped_storage()
+            ref = StorageWeakRef(storage)
+            if storage.data_ptr() not in inputs and all(ref.cdata != known.cdata for known, _ in self.live):
+                self.live.append((ref, storage.nbytes()))
+                self.allocated += storage.nbytes()
+        self.peak = max(self.peak, sum(nbytes for _, nbytes in self.live))
+        return out
+
+
+def bytes_during(fn, *args, **kwargs) -> tuple[object, int, int]:
+    """(fn(*args, **kwargs), peak, allocated): bytes of the tensors fn creates, the most alive at once and in all."""
+    with _NewStorages() as counter:
+        out = fn(*args, **kwargs)
+    return out, counter.peak, counter.allocated
+
+
+def fused_all_reduce(params, group=None) -> None:
+    """Average every gradient over the group's ranks through one buffer holding them all (4Ψ bytes in fp32)."""
     grads = [p.grad for p in params if p.grad is not None]
     fused = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(fused, group=group)
     fused /= dist.get_world_size(group)
     for grad, averaged in zip(grads, fused.split([g.numel() for g in grads])):
         grad.copy_(averaged.view_as(grad))
-    return fused.nbytes
 
 
-def bucketed_all_reduce(params, bucket_numel: int, group=None) -> int:
-    """C_B: the same average through one buffer of bucket_numel elements; returns its bytes."""
+def bucketed_all_reduce(params, bucket_numel: int, group=None) -> None:
+    """C_B: every gradient averaged over the group's ranks through one buffer of bucket_numel elements."""
     grads = [p.grad.view(-1) for p in params if p.grad is not None]
     bucket = grads[0].new_empty(bucket_numel)
     pending, fill = [], 0  # pending: (flat gradient, its offset, count, offset in the bucket)
@@ -160,11 +197,10 @@ def bucketed_all_reduce(params, bucket_numel: int, group=None) -> int:
                 fill = 0
     if fill:
         flush()
-    return bucket.nbytes
 
 
 class FirstFitAllocator:
-    """M_D: a model of a device allocator over [0, capacity): first fit, frees merged with their neighbours.
+    """A model of a device allocator over [0, capacity) bytes: first fit, frees merged with their neighbours.
 
     holes: the free ranges (start, size), sorted, never touching; blocks: {start: (size, label)} of live ones.
     """
@@ -180,10 +216,7 @@ class FirstFitAllocator:
             raise ValueError(f"allocate a positive number of bytes, got {size}")
         for index, (start, hole) in enumerate(self.holes):
             if hole >= size:
-                if hole == size:
-                    del self.holes[index]
-                else:
-                    self.holes[index] = (start + size, hole - size)
+                self.holes[index:index + 1] = [(start + size, hole - size)] if hole > size else []
                 self.blocks[start] = (size, label)
                 return start
         return None
@@ -208,32 +241,67 @@ class FirstFitAllocator:
         return max((size for _, size in self.holes), default=0)
 
 
-class Arena:
-    """M_D: one contiguous block reserved up front; long-lived tensors are carved from it, in order."""
-
-    def __init__(self, allocator: FirstFitAllocator, size: int, label: str = "arena"):
-        self.start = allocator.allocate(size, label)
-        if self.start is None:
-            raise MemoryError(f"no {size} contiguous bytes for the arena: reserve it first, before the temporaries")
-        self.size, self.used, self.blocks = size, 0, []
-
-    def allocate(self, size: int, label: str = "") -> int:
-        if self.used + size > self.size:
-            raise MemoryError(f"the arena holds {self.size} bytes and {self.used} are used: reserve more for the "
-                              "long-lived tensors")
-        self.blocks.append((self.start + self.used, size, label))
-        self.used += size
-        return self.start + self.used - size
-
-
-def residual_trace(capacity: int, layers: int, temporaries=(2, 7), kept: int = 4, use_arena: bool = False):
-    """A forward pass in the allocator model: each layer's sub-blocks (attention, MLP) allocate a temporary,
-    keep a long-lived tensor (a checkpoint) and free the temporary. Returns (allocator, arena or None)."""
+def residual_trace(capacity: int, layers: int, temporaries=(8, 28), kept: int = 16, contiguous: bool = False):
+    """A forward pass in the allocator model (bytes): each layer's two sub-blocks (attention, MLP) allocate a
+    temporary, produce a long-lived fp32 checkpoint of `kept` bytes and free the temporary. Without M_D the
+    checkpoint stays where it was produced; with it, it is copied into a ContiguousBuffer reserved before the
+    pass and freed. Returns (allocator, the checkpoints, the buffer or None)."""
     allocator = FirstFitAllocator(capacity)
-    arena = Arena(allocator, layers * len(temporaries) * kept, "arena (long-lived)") if use_arena else None
+    buffer = ContiguousBuffer(layers * len(temporaries) * kept // 4, allocator=allocator) if contiguous else None
+    checkpoints = []
     for layer in range(layers):
         for temporary in temporaries:
             scratch = allocator.allocate(temporary, "temporary")
-            (arena or allocator).allocate(kept, f"kept {layer}")
+            checkpoint = torch.full((kept // 4,), float(layer))
+            produced = allocator.allocate(checkpoint.nbytes, f"kept {layer}")
+            if buffer is not None:
+                checkpoint = buffer.keep(checkpoint)
+                allocator.free(produced)
+            checkpoints.append(checkpoint)
             allocator.free(scratch)
-    return allocator, arena
+    return allocator, checkpoints, buffer
+
+
+class ContiguousBuffer:
+    """M_D: one buffer reserved up front; long-lived tensors are copied into consecutive views of it.
+
+    flat: the buffer (1-D, numel elements); start: its address in the allocator model (None without one);
+    used: the elements handed out since the last reset.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype = torch.float32, allocator: FirstFitAllocator | None = None):
+        self.flat = torch.empty(numel, dtype=dtype)
+        self.used, self.start = 0, None
+        if allocator is not None:
+            self.start = allocator.allocate(self.flat.nbytes, "contiguous buffer")
+            if self.start is None:
+                raise MemoryError(f"no {self.flat.nbytes} contiguous bytes for the buffer: reserve it before the "
+                                  "temporaries fragment memory")
+
+    @torch.no_grad()
+    def keep(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A view of the buffer right after the ones kept before, with the tensor's shape and values."""
+        if self.used + tensor.numel() > self.flat.numel():
+            raise MemoryError(f"{tensor.numel()} elements do not fit: {self.flat.numel() - self.used} of "
+                              f"{self.flat.numel()} left; reserve more for the long-lived tensors")
+        view = self.flat[self.used:self.used + tensor.numel()].view(tensor.shape)
+        view.copy_(tensor)
+        self.used += tensor.numel()
+        return view
+
+    def reset(self) -> None:
+        """The next step's tensors reuse the buffer from its start."""
+        self.used = 0
+
+    def address(self, view: torch.Tensor) -> int:
+        """A view's address in the allocator model."""
+        return self.start + view.storage_offset() * view.element_size()
+
+
+def keep_gradients_contiguous(params, buffer: ContiguousBuffer) -> list:
+    """M_D for gradients: each parameter's .grad copied into `buffer` when backward produces it; the hook handles."""
+    def place(param):
+        if param.grad.untyped_storage().data_ptr() != buffer.flat.untyped_storage().data_ptr():
+            param.grad = buffer.keep(param.grad)
+
+    return [p.register_post_accumulate_grad_hook(place) for p in params if p.requires_grad]
