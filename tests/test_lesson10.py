@@ -205,6 +205,9 @@ MUTANTS = {
         "for unit in grads if unit.shard.untyped_storage().nbytes()",
         "for unit in grads if unit.shard.untyped_storage().nbytes() and unit.shard is not unit.master",
         "inf_stream_step"),
+    "the unit's own gradient shard, not the fp32 clipped one step() hands over": (
+        "    for unit, grad in grads.items():\n", "    for unit, grad in ((unit, unit.grad_shard) for unit in grads):\n",
+        "inf_stream_step"),
     "the step streamed without read-ahead": ("prefetch=optimizer.read_ahead, on_update", "prefetch=0, on_update",
                                              "inf_stream_step"),
     "the forward tile never freed (two alive at once)": (

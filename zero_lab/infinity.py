@@ -452,7 +452,6 @@ def _uncovered(unit) -> list[tuple[int, int]]:
     return gaps
 
 
-@torch.no_grad()
 def stream_step(optimizer: "Zero3Infinity", grads: dict) -> None:
     """Zero3Infinity.step's AdamW step of every trainable piece, streamed from the tier through tier_adamw_step.
 
