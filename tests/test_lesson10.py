@@ -51,6 +51,33 @@ MUTANTS = {
     "the shard read twice per gather": ("            self.load(unit)\n            return super().all_gather(unit, phase)\n",
                                         "            self.load(unit)\n            self.load(unit)\n"
                                         "            return super().all_gather(unit, phase)\n", "inf_tier_schedule"),
+    "every piece stepped, gradient or not": ("            if piece.param in unit.had_grad:\n                state =",
+                                             "            if True:\n                state =", "inf_stream_step"),
+    "every step taken as the first (bias correction never advances)": (
+        'state["step"] = state.get("step", torch.tensor(0.0)) + 1', 'state["step"] = torch.tensor(1.0)',
+        "inf_stream_step"),
+    "the step count kept in a throwaway dict": ("state = optimizer.optimizer.state[piece.master]", "state = {}",
+                                                "inf_stream_step"),
+    "one tier_adamw_step call per piece (the read-ahead drains at every parameter)": (
+        "    for (index, step), (names, piece_grads) in batches.items():\n",
+        "    for (index, step), (names, piece_grads) in [(key, ([name], [grad])) for key, (names, grads) in batches.items()\n"
+        "                                                for name, grad in zip(names, grads)]:\n", "inf_stream_step"),
+    "every piece stepped with the first param group's hyperparameters": (
+        "group = optimizer.param_groups[index]", "group = optimizer.param_groups[0]", "inf_stream_step"),
+    "the gradient sliced at the parameter's offset, not the shard's": (
+        "piece_grads.append(grad[piece.shard_offset:piece.shard_offset + piece.master.numel()])",
+        "piece_grads.append(grad[piece.param_offset:piece.param_offset + piece.master.numel()])", "inf_stream_step"),
+    "a shard in memory left stale": ("prefetch=optimizer.read_ahead, on_update=refresh)",
+                                     "prefetch=optimizer.read_ahead)", "inf_stream_step"),
+    "a shard in memory refreshed only when it is not the fp32 master": (
+        "for unit in grads if unit.shard.untyped_storage().nbytes()",
+        "for unit in grads if unit.shard.untyped_storage().nbytes() and unit.shard is not unit.master",
+        "inf_stream_step"),
+    "the unit's own gradient shard, not the fp32 clipped one step() hands over": (
+        "    for unit, grad in grads.items():\n", "    for unit, grad in ((unit, unit.grad_shard) for unit in grads):\n",
+        "inf_stream_step"),
+    "the step streamed without read-ahead": ("prefetch=optimizer.read_ahead, on_update", "prefetch=0, on_update",
+                                             "inf_stream_step"),
     "the forward tile never freed (two alive at once)": (
         "            del flat, weight, bias  # freed before the next tile is gathered\n", "", "inf_tiled_linear"),
     "the backward tile never freed": ("            del flat, weight\n", "", "inf_tiled_linear"),
@@ -74,7 +101,7 @@ def test_typical_mistakes_fail_their_graded_cell(mutant):
 
 
 def test_hidden_tests_are_worth_points(graded):
-    assert_reference_full_and_learner_zero(graded, LESSON, 13)
+    assert_reference_full_and_learner_zero(graded, LESSON, 17)
 
 
 OPTIONS = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)

@@ -6,7 +6,8 @@ TokenBucket       a device of a given bandwidth: every transfer waits its bytes 
 NvmeTier          named flat fp32 tensors in files, each read and write charged to a TokenBucket
 tier_adamw_step   AdamW over master, exp_avg, exp_avg_sq kept on the tier, streamed chunk by chunk,
                   the next chunks' reads running while the current chunk is updated (§5.2)
-Zero3Infinity     stage 3 with its shards and those states on the tier: prepare(..., stage=3, offload="nvme")
+Zero3Infinity     stage 3 with its shards and those states on the tier: prepare(..., stage=3, offload="nvme");
+                  stream_step is its step, every trainable piece streamed through tier_adamw_step
 TiledLinear       memory-centric tiling (§5.1.3): a Linear sharded tile by tile over the ranks, stage-3 style;
                   TiledLinearFunction runs it with one gathered tile alive at a time (LiveBytes counts them)
 No real SSD is timed: the OS page cache would hide its speed; the bucket's bandwidth is the model.
@@ -283,8 +284,8 @@ class Zero3Infinity(Zero3Optimizer):
     Every trainable parameter's slice of this rank's shard keeps its fp32 master, exp_avg and exp_avg_sq
     on the tier (12 bytes per element; 4 for the rest of the shard): the masters are the parameters'
     only copy. A gather reads the unit's shard from the tier first (TierSchedule: in the background when
-    prefetched), a release drops it. step() streams the states through tier_adamw_step, nvme_chunk_numel
-    elements at a time, `prefetch` chunks read ahead. Memory keeps the gradient shards, the units in
+    prefetched), a release drops it. step() streams the states through tier_adamw_step (stream_step),
+    nvme_chunk_numel elements at a time, `prefetch` chunks read ahead. Memory keeps the gradient shards, the units in
     flight and a few chunks; checkpoints, state dicts and model.load_state_dict read the states back,
     one rank's shard at a time.
 
@@ -402,35 +403,14 @@ class Zero3Infinity(Zero3Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One AdamW step streamed from the tier, for the parameters that got a gradient (on any rank)."""
+        """One AdamW step streamed from the tier (stream_step, Exercise 4), for the parameters that got a gradient."""
         if closure is not None:
             raise ValueError("stage 3 does not take a closure: compute the loss and call backward() before step()")
-        trained = {unit: unit.grad_shard.to(MASTER_DTYPE) for unit in self.units if unit.grad_shard is not None}
-        if self.max_grad_norm is not None:
-            self.last_grad_norm = clip_grad_norm_(list(trained.values()), [g.numel() for g in trained.values()],
+        grads = {unit: unit.grad_shard.to(MASTER_DTYPE) for unit in self.units if unit.grad_shard is not None}
+        if self.max_grad_norm is not None:  # parameters without gradient have zeros there: the norm is the same
+            self.last_grad_norm = clip_grad_norm_(list(grads.values()), [g.numel() for g in grads.values()],
                                                   self.max_grad_norm)
-        batches = {}  # (param group, step number) -> names and gradients of the pieces stepped together
-        for unit, grad in trained.items():
-            for name, piece in self.pieces[unit]:
-                if piece.param in unit.had_grad:
-                    state = self.optimizer.state[piece.master]
-                    state["step"] = state.get("step", torch.tensor(0.0)) + 1
-                    names, grads = batches.setdefault((self.group_of[piece.master], int(state["step"])), ([], []))
-                    names.append(name)
-                    grads.append(grad[piece.shard_offset:piece.shard_offset + piece.master.numel()])
-        shard_of = {name: unit.shard[piece.shard_offset:piece.shard_offset + piece.master.numel()]
-                    for unit in trained for name, piece in self.pieces[unit]
-                    if unit.shard.untyped_storage().nbytes() and unit.shard is not unit.master}
-
-        def refresh(name, start, master):  # a shard in memory (a unit in flight) follows its fp32 master
-            if name in shard_of:
-                shard_of[name][start:start + master.numel()].copy_(master)
-
-        for (index, step), (names, grads) in batches.items():
-            group = self.param_groups[index]
-            tier_adamw_step(self.tier, names, grads, step, lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                            weight_decay=group["weight_decay"], chunk_numel=self.chunk_numel, prefetch=self.read_ahead,
-                            on_update=refresh)
+        stream_step(self, grads)
 
     # Leaving stage 3 reads the states back: each of these runs stage 3's own with them in memory.
     def _full_masters(self, unit):
@@ -470,6 +450,38 @@ def _uncovered(unit) -> list[tuple[int, int]]:
             gaps.append((at, start - at))
         at = max(at, start + numel)
     return gaps
+
+
+def stream_step(optimizer: "Zero3Infinity", grads: dict) -> None:
+    """Zero3Infinity.step's AdamW step of every trainable piece, streamed from the tier through tier_adamw_step.
+
+    grads: {unit: this rank's fp32 gradient shard of it}. A piece whose parameter got a gradient (unit.had_grad)
+    takes one step with its own step count (kept where torch keeps it, optimizer.optimizer.state[piece.master])
+    and its param group's hyperparameters; the others keep their states. Pieces that share a group and a step
+    count stream through one call, so the reads run ahead across them; a shard in memory follows the update.
+    """
+    batches = {}  # (param group, step count) -> the names and gradients streamed in one call
+    for unit, grad in grads.items():
+        for name, piece in optimizer.pieces[unit]:
+            if piece.param in unit.had_grad:
+                state = optimizer.optimizer.state[piece.master]
+                state["step"] = state.get("step", torch.tensor(0.0)) + 1
+                key = (optimizer.group_of[piece.master], int(state["step"]))
+                names, piece_grads = batches.setdefault(key, ([], []))
+                names.append(name)
+                piece_grads.append(grad[piece.shard_offset:piece.shard_offset + piece.master.numel()])
+    in_memory = {name: unit.shard[piece.shard_offset:piece.shard_offset + piece.master.numel()]
+                 for unit in grads if unit.shard.untyped_storage().nbytes() for name, piece in optimizer.pieces[unit]}
+
+    def refresh(name, start, master):  # a unit in flight computes from its shard in memory: it follows the tier
+        if name in in_memory:
+            in_memory[name][start:start + master.numel()].copy_(master)
+
+    for (index, step), (names, piece_grads) in batches.items():
+        group = optimizer.param_groups[index]
+        tier_adamw_step(optimizer.tier, names, piece_grads, step, lr=group["lr"], betas=group["betas"],
+                        eps=group["eps"], weight_decay=group["weight_decay"], chunk_numel=optimizer.chunk_numel,
+                        prefetch=optimizer.read_ahead, on_update=refresh)
 
 
 class LiveBytes:
