@@ -228,17 +228,6 @@ def tier_adamw_step(tier: NvmeTier, names: list[str], grads: list[torch.Tensor],
                 on_update(name, start, master)
 
 
-def _resize(tensor: torch.Tensor) -> None:
-    """Give a tensor whose storage was freed (resized to 0) its bytes back."""
-    tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
-
-
-def _drop(unit) -> None:
-    """Free the memory of the unit's fp32 master and compute shard (one tensor in fp32): the tier keeps them."""
-    for tensor in {id(unit.master): unit.master, id(unit.shard): unit.shard}.values():
-        tensor.untyped_storage().resize_(0)
-
-
 class TierSchedule(UnitSchedule):
     """Stage 3's schedule with the shards on the tier: load(unit) reads a shard before its all-gather (in
     a one-thread pool when prefetched, overlapping the current unit's compute) and release drops it again,
@@ -275,6 +264,17 @@ class ReadThenGather:
         self.read.result()
         self.gather()
         return True
+
+
+def _resize(tensor: torch.Tensor) -> None:
+    """Give a tensor whose storage was freed (resized to 0) its bytes back."""
+    tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+
+
+def _drop(unit) -> None:
+    """Free the memory of the unit's fp32 master and compute shard (one tensor in fp32): the tier keeps them."""
+    for tensor in {id(unit.master): unit.master, id(unit.shard): unit.shard}.values():
+        tensor.untyped_storage().resize_(0)
 
 
 class Zero3Infinity(Zero3Optimizer):
