@@ -92,6 +92,12 @@ MUTANTS = {
     "output tiles concatenated in the wrong order": ("torch.cat(outputs, dim=-1)", "torch.cat(outputs[::-1], dim=-1)",
                                                      "inf_tiled_linear"),
     "no bias gradient": ("grad_tile.sum(0)", "torch.zeros(rows)", "inf_tiled_linear"),
+    "gradients reduced over the whole world, not the layer's group": (
+        "dist.reduce_scatter_single(grad_shard, grad_flat, group=layer.group)",
+        "dist.reduce_scatter_single(grad_shard, grad_flat)", "inf_tiled_linear"),
+    "averaged over the world's size, not the group's": (
+        "grad_shards.append(grad_shard / layer.world_size)",
+        "grad_shards.append(grad_shard / dist.get_world_size())", "inf_tiled_linear"),
 }
 
 
