@@ -1,8 +1,11 @@
 """What `zero-lab grade` prints while it grades: plain lines off a terminal, one erased line on it."""
 
 import io
+import shutil
 
-from zero_lab.course_tools import build
+import pytest
+
+from zero_lab.course_tools import build, cli, grading
 from zero_lab.course_tools.cli import GradingProgress
 
 LESSON = build.REPO / "course" / "00_collectives" / "00_collectives.ipynb"
@@ -37,3 +40,20 @@ def test_on_a_terminal_the_line_is_erased_so_the_table_starts_at_column_1():
     feed(GradingProgress(LESSON, out), ["grading 00_collectives: starting, 0 s"])
     text = out.getvalue()
     assert "\n" not in text and text.endswith("\r") and text.rsplit("\r", 2)[1].strip() == ""
+
+
+@pytest.mark.parametrize("given", ["folder", "notebook"])
+def test_zero_lab_grade_takes_a_lesson_folder_or_its_notebook(tmp_path, monkeypatch, capsys, given):
+    folder = tmp_path / LESSON.parent.name
+    shutil.copytree(LESSON.parent, folder)
+    graded = []
+
+    def grade(notebook, progress):  # what the command hands the grader, without a grading run
+        graded.append(notebook)
+        progress(f"grading {folder.name}: starting, 0 s")
+        return "report"
+
+    monkeypatch.setattr(grading, "grade", grade)
+    monkeypatch.setattr(grading, "score_table", lambda report: f"table of the {report}")
+    assert cli.main(["grade", str(folder if given == "folder" else folder / LESSON.name)]) == 0
+    assert graded == [folder / LESSON.name] and "table of the report" in capsys.readouterr().out

@@ -81,7 +81,7 @@ class GradingProgress:
 def run_grade(args) -> int:
     from zero_lab.course_tools import grading
 
-    notebook = workspace.default_notebook(args.lesson)
+    notebook = grading.learner_notebook(workspace.default_notebook(args.lesson))  # a lesson folder -> its notebook
     print(f"grading {notebook} (visible and hidden tests) ...", file=sys.stderr)
     progress = GradingProgress(notebook)
     report = grading.grade(notebook, progress=progress)
