@@ -56,6 +56,9 @@ MUTANTS = {
     "every step taken as the first (bias correction never advances)": (
         'state["step"] = state.get("step", torch.tensor(0.0)) + 1', 'state["step"] = torch.tensor(1.0)',
         "inf_stream_step"),
+    "the step count kept as a Python int (state dicts read a tensor)": (
+        'state["step"] = state.get("step", torch.tensor(0.0)) + 1', 'state["step"] = state.get("step", 0) + 1',
+        "inf_stream_step"),
     "the step count kept in a throwaway dict": ("state = optimizer.optimizer.state[piece.master]", "state = {}",
                                                 "inf_stream_step"),
     "one tier_adamw_step call per piece (the read-ahead drains at every parameter)": (
