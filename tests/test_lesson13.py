@@ -8,6 +8,7 @@ from graded_cells import assert_mutant_fails, assert_reference_full_and_learner_
 import zero_lab
 from zero_lab.memory import GB, model_states_per_device, paper_round
 from zero_lab.memory_drop import dominant_cause, gpt_config, measure_runs, one_unit, peak_parts, tracked_step, tracker_vs_ledger
+from zero_lab.models import GPT
 from zero_lab.scale import (PAPER_ND, PAPER_PSI, PAPER_TABLE1, PAPER_TABLE2, check_countable, count_rank, count_ranks,
                             largest_model, predicted_bytes, unit_numels)
 
@@ -150,7 +151,6 @@ def _fsdp2_beside_stage3():
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.fsdp import fully_shard
     from zero_lab.memory_ledger import model_state_bytes
-    from zero_lab.models import GPT
     warnings.simplefilter("ignore")
     config = gpt_config(1, 32, 16)
     tokens = torch.randint(0, config.vocab_size, (2, 2, config.block_size), generator=torch.Generator().manual_seed(0))
@@ -173,13 +173,8 @@ def _fsdp2_beside_stage3():
 def test_fsdp2_per_block_shards_as_our_stage_3_does_but_for_adamw_s_step_counters():
     for fsdp2, ours in zero_lab.launch(_fsdp2_beside_stage3, 2, timeout=60):
         assert fsdp2["SHARDED_PARAM"] == ours["parameters"] and fsdp2["SHARDED_GRAD"] == ours["gradients"], (fsdp2, ours)
-        steps = 4 * sum(1 for _ in _gpt_parameters(gpt_config(1, 32, 16)))  # one fp32 step counter per parameter
+        steps = 4 * len(list(GPT(gpt_config(1, 32, 16)).parameters()))  # one fp32 step counter per parameter
         assert fsdp2["OPT"] - ours["optimizer_states"] - ours["master_params"] == steps, (fsdp2, ours)
-
-
-def _gpt_parameters(config):
-    from zero_lab.models import GPT
-    return GPT(config).parameters()
 
 
 MUTANTS = {  # name: (text of the reference, the mistake, the graded cell that must fail)
