@@ -6,10 +6,11 @@ import pytest
 
 from graded_cells import assert_mutant_fails, assert_reference_full_and_learner_zero
 import zero_lab
-from zero_lab.memory import model_states_per_device
+from zero_lab.memory import GB, model_states_per_device, paper_round
 from zero_lab.memory_drop import dominant_cause, gpt_config, measure_runs, one_unit, peak_parts, tracked_step, tracker_vs_ledger
-from zero_lab.scale import (PAPER_PSI, check_countable, count_rank, count_ranks, largest_model, predicted_bytes,
-                            unit_numels)
+from zero_lab.models import GPT
+from zero_lab.scale import (PAPER_ND, PAPER_PSI, PAPER_TABLE1, PAPER_TABLE2, check_countable, count_rank, count_ranks,
+                            largest_model, predicted_bytes, unit_numels)
 
 LESSON = "13_scale"
 PSI, N = PAPER_PSI["1T"], 1024
@@ -61,9 +62,19 @@ def test_what_cannot_be_counted_is_refused_with_its_limit(arguments, words):
         count_rank(**{"rank": 0, "stage": 1, **arguments})
 
 
-def test_table_2_from_a_count():
-    total = sum(predicted_bytes(unit_numels(7_500_000_000), 64, 0, 3).values())
-    assert largest_model(total, 7_500_000_000, 32e9) == pytest.approx(128e9, rel=1e-6)
+def test_the_paper_s_table_1_is_rank_0_s_bytes_as_the_paper_rounds_them():
+    for (name, nd), printed in PAPER_TABLE1.items():
+        ours = tuple(paper_round(sum(predicted_bytes(unit_numels(PAPER_PSI[name]), nd, 0, stage).values()) / GB)
+                     for stage in (1, 2, 3))
+        assert ours == printed, (name, nd)
+    assert {nd for _, nd in PAPER_TABLE1} == set(PAPER_ND)
+
+
+def test_table_2_from_a_search_over_counts():
+    for stage, paper in zip((1, 2, 3), PAPER_TABLE2[1]):
+        psi = largest_model(lambda p: sum(predicted_bytes(unit_numels(p), 64, 0, stage).values()), 32e9, low=64)
+        assert sum(predicted_bytes(unit_numels(psi), 64, 0, stage).values()) <= 32e9
+        assert round(psi / 1e8) / 10 == paper, (stage, psi)
 
 
 def test_stage_3_with_one_unit_gathers_the_whole_model_while_the_counted_states_stay():
@@ -77,21 +88,22 @@ def test_stage_3_with_one_unit_gathers_the_whole_model_while_the_counted_states_
 def drop_runs():
     """Section 7's buffer, small-model and one-unit reproductions: rank 0's measure_step by run name and Nd."""
     wide, tiny = gpt_config(2, 128, 16), gpt_config(1, 32, 16)
-    runs = {"one unit": (wide, 3, 1, dict(units=one_unit)), "units per layer": (wide, 3, 1), "tiny": (tiny, 3, 1)}
-    plan = {1: ["tiny"], 2: ["one unit", "tiny"], 4: ["one unit", "units per layer", "tiny"]}
+    runs = {"one unit": (wide, 3, 1, dict(units=one_unit)), "units per layer": (wide, 3, 1), "tiny": (tiny, 3, 1),
+            "bucket of the whole model": (wide, 2, 1), "bucket of 2**14": (wide, 2, 1, dict(bucket_numel=2**14))}
+    plan = {1: ["tiny"], 2: ["bucket of the whole model", "tiny"],
+            4: ["one unit", "units per layer", "tiny", "bucket of the whole model", "bucket of 2**14"]}
     return {nd: dict(zip(names, measure_runs([runs[name] for name in names], nd))) for nd, names in plan.items()}
 
 
-def _buffers(r):
-    return sum(r["residual"][k] for k in ("gathered parameters", "gradient buckets", "temporaries"))
-
-
-def test_communication_buffers_do_not_drop_with_nd_while_the_states_halve(drop_runs):
-    two, four = drop_runs[2]["one unit"], drop_runs[4]["one unit"]
-    assert four["counted"] / two["counted"] == pytest.approx(0.5, abs=0.02)
-    assert four["peak"] / two["peak"] > 0.6, (two["peak"], four["peak"])  # the states halve, the peak does not
-    assert _buffers(four) > 0.5 * four["peak"] and _buffers(four) > 0.7 * _buffers(two), (_buffers(two), _buffers(four))
-    assert four["residual"]["gathered parameters"] == 2 * four["psi"]
+def test_a_stage_2_bucket_does_not_drop_with_nd_while_the_states_do(drop_runs):
+    two, four = drop_runs[2]["bucket of the whole model"], drop_runs[4]["bucket of the whole model"]
+    psi = four["psi"]
+    assert four["counted"] / two["counted"] == pytest.approx((2 + 14 / 4) / (2 + 14 / 2), abs=0.02)
+    for nd, run in ((2, two), (4, four)):  # the bucket's flat copy (2Ψ) and this rank's received slice (2Ψ/Nd)
+        assert run["residual"]["gradient buckets"] == pytest.approx(2 * psi + 2 * psi / nd, rel=0.02), (nd, run["residual"])
+    small = drop_runs[4]["bucket of 2**14"]
+    assert small["counted"] == four["counted"]
+    assert small["residual"]["gradient buckets"] < 0.3 * four["residual"]["gradient buckets"], small["residual"]
 
 
 def test_a_small_model_leaves_what_the_process_holds_where_it_was(drop_runs):
@@ -133,6 +145,38 @@ def test_memtracker_agrees_with_the_ledger_where_both_count_the_same_tensors(sta
         assert rows["parameters"][1] == 0 < rows["parameters"][0], rows
 
 
+def _fsdp2_beside_stage3():
+    import warnings
+    import torch
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.fsdp import fully_shard
+    from zero_lab.memory_ledger import model_state_bytes
+    warnings.simplefilter("ignore")
+    config = gpt_config(1, 32, 16)
+    tokens = torch.randint(0, config.vocab_size, (2, 2, config.block_size), generator=torch.Generator().manual_seed(0))
+    fsdp = GPT(config, seed=0)
+    for block in fsdp.transformer.h:
+        fully_shard(block)
+    fully_shard(fsdp)
+    fsdp_optimizer = torch.optim.AdamW(fsdp.parameters(), lr=1e-3)
+    tracker = FSDPMemTracker(fsdp, fsdp_optimizer)
+    with tracker:
+        fsdp(*tokens)[1].backward()
+        fsdp_optimizer.step()
+    ((_, by_kind),) = tracker.get_tracker_snapshot().items()
+    model, optimizer = zero_lab.prepare(GPT(config, seed=0), torch.optim.AdamW, stage=3, lr=1e-3)
+    model(*tokens)[1].backward()
+    optimizer.step()
+    return {str(kind).split(".")[-1]: nbytes for kind, nbytes in by_kind.items()}, dict(model_state_bytes(model, optimizer).bytes)
+
+
+def test_fsdp2_per_block_shards_as_our_stage_3_does_but_for_adamw_s_step_counters():
+    for fsdp2, ours in zero_lab.launch(_fsdp2_beside_stage3, 2, timeout=60):
+        assert fsdp2["SHARDED_PARAM"] == ours["parameters"] and fsdp2["SHARDED_GRAD"] == ours["gradients"], (fsdp2, ours)
+        steps = 4 * len(list(GPT(gpt_config(1, 32, 16)).parameters()))  # one fp32 step counter per parameter
+        assert fsdp2["OPT"] - ours["optimizer_states"] - ours["master_params"] == steps, (fsdp2, ours)
+
+
 MUTANTS = {  # name: (text of the reference, the mistake, the graded cell that must fail)
     "no padding": ("    whole = shard * n  # the padded buffers", "    whole = sum(buffers)", "predicted_bytes"),
     "stage 2 keeps whole gradients": ('({"gradients"} if stage >= 2 else set())', "set()", "predicted_bytes"),
@@ -148,8 +192,15 @@ MUTANTS = {  # name: (text of the reference, the mistake, the graded cell that m
                                                    "return cause", "peak_parts"),
     "masters left out of MemTracker's optimizer row": ('for category in name.split(" + "))', 'for category in name.split(" + ")[-1:])',
                                                        "tracker_vs_ledger"),
-    "budget over total bytes": ("return budget_bytes / (counted_total / psi)", "return budget_bytes / counted_total",
-                                "largest_model"),
+    "the first size that does not fit": ("    return fits\n", "    return too_big\n", "largest_model"),
+    "a size that fits exactly refused": ("        if bytes_of(middle) <= budget_bytes:", "        if bytes_of(middle) < budget_bytes:",
+                                         "largest_model"),
+    "no error when nothing fits": ("    if bytes_of(low) > budget_bytes:\n", "    if False:\n", "largest_model"),
+    "the linear guess, padding left out": ("    fits, step = low, 1\n",
+                                           "    return int(budget_bytes / (bytes_of(low) / low))\n    fits, step = low, 1\n",
+                                           "largest_model"),
+    "steps that do not grow: a linear scan": ("        fits, step = fits + step, 2 * step", "        fits, step = fits + step, step",
+                                              "largest_model"),
 }
 
 
@@ -159,4 +210,4 @@ def test_typical_mistakes_fail_their_graded_cell(mutant):
 
 
 def test_hidden_tests_are_worth_points(graded):
-    assert_reference_full_and_learner_zero(graded, LESSON, 18)
+    assert_reference_full_and_learner_zero(graded, LESSON, 19)

@@ -9,7 +9,8 @@ in_fake_world        run fn(*args) as rank r of n, for a list of (n, r, fn, args
 predicted_bytes      what the memory ledger will count on a rank, by category, padding included
 count_step           inside the fake world: prepare(stage=...), one forward/backward/step, both ledgers read
 count_ranks, count_rank  count_step for ranks of worlds, checked first, in one child process
-largest_model        the paper's Table 2: the largest model a budget holds, from counted bytes per parameter
+largest_model        the paper's Table 2: the largest psi whose count fits a budget (doubling, then bisecting)
+PAPER_TABLE1, PAPER_TABLE2  the paper's own numbers, as it prints them, to set beside the counts
 
 Mixed-precision AdamW (the paper's K = 12): bf16 parameters and gradients, fp32 master copies and two
 fp32 moments. Nothing here allocates the model: a 1T-parameter count at N = 1024 stays within a few
@@ -36,6 +37,19 @@ from zero_lab.prepare import prepare
 PAPER_PSI = {"7.5B": 7_500_000_000, "128B": 128_000_000_000, "1T": 1_000_000_000_000}
 PAPER_ND = (1, 4, 16, 64, 256, 1024)
 STAGE_NAMES = {1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
+# ZeRO paper (arXiv:1910.02054) Table 1: GB per device (P_os, P_os+g, P_os+g+p) by (Ψ, Nd), as printed
+PAPER_TABLE1 = {
+    ("7.5B", 1): (120, 120, 120), ("128B", 1): (2048, 2048, 2048), ("1T", 1): (16000, 16000, 16000),
+    ("7.5B", 4): (52.5, 41.3, 30), ("128B", 4): (896, 704, 512), ("1T", 4): (7000, 5500, 4000),
+    ("7.5B", 16): (35.6, 21.6, 7.5), ("128B", 16): (608, 368, 128), ("1T", 16): (4750, 2875, 1000),
+    ("7.5B", 64): (31.4, 16.6, 1.88), ("128B", 64): (536, 284, 32), ("1T", 64): (4187, 2218, 250),
+    ("7.5B", 256): (30.4, 15.4, 0.47), ("128B", 256): (518, 263, 8), ("1T", 256): (4046, 2054, 62.5),
+    ("7.5B", 1024): (30.1, 15.1, 0.12), ("128B", 1024): (513, 257, 2), ("1T", 1024): (4011, 2013, 15.6),
+}
+# Table 2, theoretical: the largest model (billions of parameters; P_os, P_os+g, P_os+g+p) on 32 GB devices,
+# 64 data-parallel ranks times MP-way model parallelism, by MP
+PAPER_TABLE2 = {1: (7.6, 14.4, 128), 2: (15.2, 28.8, 256), 4: (30.4, 57.6, 500), 8: (60.8, 115.2, 1000),
+                16: (121.6, 230.4, 2000)}
 BYTES_PER_ELEMENT = {"parameters": 2, "gradients": 2, "master_params": 4, "optimizer_states": 8}  # bf16, fp32, m+v
 LAYERS = 4
 
@@ -228,8 +242,22 @@ def count_rank(psi: int, n: int, rank: int, stage: int, offload: bool = False) -
     return count_ranks([dict(psi=psi, n=n, rank=rank, stage=stage, offload=offload)])[0]
 
 
-def largest_model(counted_total: int, psi: int, budget_bytes: float) -> float:
-    """The largest model (parameters) whose model states fit `budget_bytes` per device, given that a model of
-    `psi` parameters was counted at `counted_total` bytes on a rank of the same world and stage. Model states
-    grow linearly in psi; padding (under n elements per buffer) is left out."""
-    return budget_bytes / (counted_total / psi)
+def largest_model(bytes_of, budget_bytes: float, low: int = 1) -> int:
+    """The largest psi >= low with bytes_of(psi) <= budget_bytes < bytes_of(psi + 1), for a non-decreasing
+    bytes_of (a count of a model of psi parameters): step up from low by 1, 2, 4, ... until a size does not
+    fit, then bisect between the last size that fits and the first that does not, so bytes_of runs
+    O(log(psi - low)) times.
+    ValueError, naming the budget, when low itself does not fit."""
+    if bytes_of(low) > budget_bytes:
+        raise ValueError(f"{low} parameters need {bytes_of(low)} bytes: more than the budget of {budget_bytes}")
+    fits, step = low, 1
+    while bytes_of(fits + step) <= budget_bytes:
+        fits, step = fits + step, 2 * step
+    too_big = fits + step
+    while too_big - fits > 1:
+        middle = (fits + too_big) // 2
+        if bytes_of(middle) <= budget_bytes:
+            fits = middle
+        else:
+            too_big = middle
+    return fits
