@@ -1,7 +1,8 @@
 """Lesson 01's module reproduces the ZeRO paper's Table 1 and Table 2 (theoretical) cell by cell.
 
-The expected values are transcribed from the paper (arXiv 1910.02054, Tables 1 and 2), not
-computed, so a change to the formulas or the rounding rule that moves any printed cell fails.
+The expected values are transcribed from the paper (arXiv 1910.02054, Tables 1 and 2; Table 1 lives
+in zero_lab.scale, which lesson 13 counts against), not computed, so a change to the formulas or the
+rounding rule that moves any printed cell fails.
 """
 
 from fractions import Fraction
@@ -9,16 +10,7 @@ from fractions import Fraction
 import pytest
 
 from zero_lab import memory
-
-# (model, Nd) -> GB per device for P_os, P_os+g, P_os+g+p (K = 12, GB = 1e9 bytes).
-PAPER_TABLE1 = {
-    ("7.5B", 1): (120, 120, 120), ("128B", 1): (2048, 2048, 2048), ("1T", 1): (16000, 16000, 16000),
-    ("7.5B", 4): (52.5, 41.3, 30), ("128B", 4): (896, 704, 512), ("1T", 4): (7000, 5500, 4000),
-    ("7.5B", 16): (35.6, 21.6, 7.5), ("128B", 16): (608, 368, 128), ("1T", 16): (4750, 2875, 1000),
-    ("7.5B", 64): (31.4, 16.6, 1.88), ("128B", 64): (536, 284, 32), ("1T", 64): (4187, 2218, 250),
-    ("7.5B", 256): (30.4, 15.4, 0.47), ("128B", 256): (518, 263, 8), ("1T", 256): (4046, 2054, 62.5),
-    ("7.5B", 1024): (30.1, 15.1, 0.12), ("128B", 1024): (513, 257, 2), ("1T", 1024): (4011, 2013, 15.6),
-}
+from zero_lab.scale import PAPER_TABLE1  # (model, Nd) -> GB per device for P_os, P_os+g, P_os+g+p, as printed
 
 # (MP, GPUs) -> theoretical max model size with 32 GB devices: DP, P_os, P_os+g, P_os+g+p.
 PAPER_TABLE2 = {
