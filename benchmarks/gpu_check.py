@@ -187,13 +187,14 @@ def check_fsdp2(device: str, quick: bool) -> list[dict]:
     return rows
 
 
+SNAPSHOT_DIR = Path("gpu_check_snapshots")  # where the snapshot check writes, unless --snapshots says
 SNAPSHOTS = {  # file name -> prepare's options; each one step of a GPT on 2 ranks, rank 0 recorded
     "stage0": dict(stage=0), "stage1": dict(stage=1), "stage2": dict(stage=2), "stage3": dict(stage=3),
     "stage2-offload": dict(stage=2, offload="cpu"),
 }
 
 
-def check_snapshot(device: str, quick: bool, directory: Path = Path("gpu_check_snapshots")) -> list[dict]:
+def check_snapshot(device: str, quick: bool, directory: Path = SNAPSHOT_DIR) -> list[dict]:
     config = GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=16, block_size=16) if quick else \
         GPTConfig(vocab_size=256, n_layer=4, n_head=6, n_embd=384, block_size=64)  # side_by_side's "7M"
     rows = []
@@ -275,7 +276,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer world sizes and steps (CI's CPU run)")
     parser.add_argument("--checks", nargs="+", choices=list(CHECKS), default=list(CHECKS))
     parser.add_argument("--json", default="gpu_check.json", help="where to write the figures")
-    parser.add_argument("--snapshots", default="gpu_check_snapshots", type=Path,
+    parser.add_argument("--snapshots", default=SNAPSHOT_DIR, type=Path,
                         help="where the snapshot check writes its memory timelines")
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.device_count() else "cpu")

@@ -248,8 +248,8 @@ def largest_model(bytes_of, budget_bytes: float, low: int = 1) -> int:
     fit, then bisect between the last size that fits and the first that does not, so bytes_of runs
     O(log(psi - low)) times.
     ValueError, naming the budget, when low itself does not fit."""
-    if bytes_of(low) > budget_bytes:
-        raise ValueError(f"{low} parameters need {bytes_of(low)} bytes: more than the budget of {budget_bytes}")
+    if (needed := bytes_of(low)) > budget_bytes:  # each count runs the stage: once per size
+        raise ValueError(f"{low} parameters need {needed} bytes: more than the budget of {budget_bytes}")
     fits, step = low, 1
     while bytes_of(fits + step) <= budget_bytes:
         fits, step = fits + step, 2 * step
