@@ -12,6 +12,7 @@ parameter) start right after collection, while other tests run.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +50,22 @@ class Graded:
     def __call__(self, lesson: str, edition: str) -> grading.Report:
         assert edition in EDITIONS, f"edition is one of {list(EDITIONS)}"
         return self.submit(lesson).result()[edition]
+
+
+# Tests whose floats depend on the CPU's math kernels: training equal to one process or to torch, bit for bit or
+# within a tolerance. .ci/run runs them a second time under other kernels (`-m numerics`).
+NUMERICS = re.compile(r"one_process|single_process|matches|bit_for_bit|identical|equals?_|_is_torch|like_|as_stage|"
+                      r"same_way|as_never_stopping|as_without|stays_close|last_bit")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "numerics: compares floats that another CPU's math kernels may round otherwise")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if NUMERICS.search(item.originalname):
+            item.add_marker(pytest.mark.numerics)
 
 
 def pytest_collection_finish(session):

@@ -177,10 +177,10 @@ def _live_tensors() -> dict[str, int]:
     return counts
 
 
-def _settled(baseline: dict | None, seconds: float = 3.0) -> dict:
+def _settled(baseline: dict | None, seconds: float = 15.0) -> dict:
     """What is live (_live_tensors, and Python threads), measured again for a while as long as it is more than
     `baseline`: a thread pool ends its threads a moment after it is collected, and gloo's worker threads let go
-    of a finished collective's tensors a moment after the caller has its result."""
+    of a finished collective's tensors a moment after the caller has its result (later on a busy machine)."""
     deadline = time.monotonic() + seconds
     while True:
         live = {**_live_tensors(), "threads": threading.active_count()}

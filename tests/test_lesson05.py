@@ -1,7 +1,6 @@
 """Lesson 05, ZeRO stage 3: parameters sharded, gathered unit by unit, 3 Psi per step, 16 Psi / Nd."""
 
 import io
-import time
 from fractions import Fraction
 
 import pytest
@@ -242,10 +241,8 @@ def _divergent(skip_rank, skip_step):
 
 @pytest.mark.parametrize("skip_step", [0, 2])  # while the order is recorded, and after
 def test_divergent_control_flow_names_the_rank_and_the_unit(skip_step):
-    start = time.monotonic()
-    with pytest.raises(RankFailed) as failure:
+    with pytest.raises(RankFailed) as failure:  # the rank's error, not the watchdog's RanksHung after 30 s
         launch(_divergent, 3, 1, skip_step, timeout=30)
-    assert time.monotonic() - start < 20
     message = str(failure.value)
     assert "rank 1" in message and "'layers.4'" in message and "'layers.2'" in message
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from graded_cells import assert_mutant_fails
 from sharded_training import (ADAMW, SIZES, TINY_GPT, assert_close, gpt_batches, gpt_loss, gpt_with_groups,
                               gpt_with_groups_single_process, mlp_batches, mlp_loss, train, weights)
 from zero_lab import CommLedger, launch
@@ -259,7 +260,7 @@ def test_backward_after_step_without_zero_grad_raises_as_in_stage_2():
 
 @needs_c_compiler
 @pytest.mark.parametrize("numel, threads, betas", [(5000, 1, (0.9, 0.999)), (3 * 2**18 + 17, 2, (0.3, 0.95))])
-def test_compiled_adam_is_torch_fused_adamw_bit_for_bit(numel, threads, betas):
+def test_compiled_adam_is_torch_fused_adamw(numel, threads, betas):
     generator = torch.Generator().manual_seed(0)
     param = torch.nn.Parameter(torch.randn(numel, generator=generator))
     grads = [torch.randn(numel, generator=generator) * scale for scale in (1.0, 1e-3, 1e3)]
@@ -271,7 +272,11 @@ def test_compiled_adam_is_torch_fused_adamw_bit_for_bit(numel, threads, betas):
         optimizer.step()
         compiled_adam_(ours, grad, m, v, step, betas=betas, eps=1e-8, pool=pool, **ADAMW)
     state = optimizer.state[param]
-    assert torch.equal(ours, param.detach()) and torch.equal(m, state["exp_avg"]) and torch.equal(v, state["exp_avg_sq"])
+    for name, got, want in [("param", ours, param.detach()), ("exp_avg", m, state["exp_avg"]), ("exp_avg_sq", v, state["exp_avg_sq"])]:
+        if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):  # torch's vectorized kernel: its FMAs are ours
+            assert torch.equal(got, want), name
+        else:  # torch's scalar kernel may round a product our fmaf fuses: per step, one rounding of the largest value
+            torch.testing.assert_close(got, want, rtol=0, atol=len(grads) * 2 ** -23 * want.abs().max().item(), msg=name)
     with pytest.raises(ValueError, match="contiguous fp32"):
         compiled_adam_(ours[::2], grad[::2], m[::2], v[::2], 4, betas=betas, eps=1e-8, **ADAMW)
 
@@ -322,3 +327,25 @@ def test_loading_a_checkpoint_all_gathers_on_the_device(stage):
     for inputs_on_device, same_masters, same_weights in launch(_all_gathers_while_loading, 2, stage, timeout=60):
         assert inputs_on_device and all(inputs_on_device), "the all-gather's input must be the device's buffer, not a host tensor"
         assert same_masters and same_weights
+
+
+MUTANTS = {  # typical mistakes that compute the right numbers and must still lose the speed or DPU points
+    "a chunk far smaller than chunk_numel (a Python loop over small pieces)": (
+        "    beta1, beta2 = betas\n", "    beta1, beta2 = betas\n    chunk_numel = min(chunk_numel, 64)\n", "cpu_adam"),
+    "the whole tensor in one chunk (no cache blocking)": (
+        "    starts = range(0, param.numel(), chunk_numel)\n",
+        "    chunk_numel = param.numel()\n    starts = range(0, param.numel(), chunk_numel)\n", "cpu_adam"),
+    "step() waits for its delayed update": (
+        "            self.pending = self.worker.submit(self.update, grads)\n",
+        "            self.pending = self.worker.submit(self.update, grads)\n            self.pending.result()\n",
+        "dpu_schedule"),
+    "the delayed update runs on the calling thread": (
+        "            self.pending = self.worker.submit(self.update, grads)\n",
+        "            self.pending = Future()\n            self.update(grads)\n            self.pending.set_result(None)\n",
+        "dpu_schedule"),
+}
+
+
+@pytest.mark.parametrize("mutant", MUTANTS)
+def test_typical_mistakes_fail_their_graded_cell(mutant):
+    assert_mutant_fails("06_offload", *MUTANTS[mutant])

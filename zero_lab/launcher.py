@@ -12,9 +12,11 @@ which, and `device=` or $ZERO_LAB_DEVICE chooses).
 Failures surface in the caller, never as a silent hang:
 - an exception on any rank raises `RankFailed` naming the rank, with its traceback, and the
   other ranks are killed at once;
-- a rank that is still running after `timeout` seconds (say only some ranks entered a
-  collective) raises `RanksHung`, which names every stuck rank, the collective it is blocked
-  in and its Python stack (dumped by faulthandler), then kills them all.
+- ranks that are stuck after `timeout` seconds (say only some ranks entered a collective)
+  raise `RanksHung`, which names every stuck rank, the collective it is blocked in and its
+  Python stack (dumped by faulthandler), then kills them all. Stuck means blocked (no rank used
+  CPU for a second) or running away (a rank used `timeout` seconds of CPU itself): a machine
+  busy with other work makes ranks slower, never hung, so one timeout holds on any laptop.
 When a rank dies, its peers soon fail too, with "Connection reset by peer": `RankFailed`
 names the rank that died or raised first, not a peer that lost its connection to it.
 
@@ -31,6 +33,7 @@ Under `torchrun`, call `init_distributed()` instead: it reads torchrun's environ
 from __future__ import annotations
 
 import builtins
+import collections
 import ctypes
 import faulthandler
 import glob
@@ -41,6 +44,7 @@ import pickle
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -63,7 +67,12 @@ from zero_lab import comm_ledger  # noqa: E402
 from zero_lab.rank_placement import DEVICE_VARIABLE, Placement  # noqa: E402
 
 DEFAULT_TIMEOUT = 120.0
-PROCESS_GROUP_TIMEOUT_MARGIN = 60.0
+# A rank blocked in a collective sleeps in the kernel (measured: 0.01 CPU-seconds in 3 s); one that
+# computes, however busy the machine, gets far more than this share of a core.
+STALL_WINDOW, STALL_CPU_SHARE = 1.0, 0.05
+# The process group's own timeout: launch's watchdog decides first, even for a rank that computes
+# for `timeout` CPU-seconds on a machine several times oversubscribed.
+PROCESS_GROUP_TIMEOUT_FACTOR, PROCESS_GROUP_TIMEOUT_MARGIN = 10, 60.0
 FAILURE_GRACE = 5.0  # seconds to wait for the rank that broke the connections, once a peer reports it
 RENDEZVOUS_PREFIX = "zero_lab_rendezvous_"
 # How a rank reports that a peer went away: its error is a consequence, not the cause.
@@ -177,8 +186,8 @@ def _rank_main(fn, args, kwargs, rank, world_size, store_file, conn, stack_file,
         # store's server listens (c10d's retry path can stall for seconds on a reverse-DNS lookup).
         # The group's own timeout comes after launch's, which then reports the hang (RanksHung,
         # with stacks) instead of racing gloo's "Timed out waiting" error.
-        init_distributed(timeout=timeout + PROCESS_GROUP_TIMEOUT_MARGIN, init_method=f"file://{store_file}",
-                         device=device)
+        init_distributed(timeout=PROCESS_GROUP_TIMEOUT_FACTOR * timeout + PROCESS_GROUP_TIMEOUT_MARGIN,
+                         init_method=f"file://{store_file}", device=device)
         message = ("ok", _on_host(fn(*args, **kwargs)))
     except BaseException:
         message = ("error", traceback.format_exc())
@@ -208,7 +217,7 @@ def _blocked_in(stack: str) -> str:
     collective = next((f for path, _, f in frames if path.endswith("distributed_c10d.py")), None)
     caller = next(
         (f"{os.path.basename(path)}:{line} in {func}" for path, line, func in frames
-         if f"{os.sep}torch{os.sep}" not in path and not path.endswith("launcher.py")),
+         if f"{os.sep}torch{os.sep}" not in path and os.path.abspath(path) != os.path.abspath(__file__)),
         None,
     )
     if collective:
@@ -410,7 +419,7 @@ def _collect(procs, conns, stack_files, timeout):
     world_size = len(procs)
     results: dict[int, object] = {}
     failures: dict[int, tuple[str, bool]] = {}  # rank -> (what happened, whether it is the cause)
-    deadline = time.monotonic() + timeout
+    watchdog = _Watchdog(procs, timeout)
     grace_end = None
     while len(results) + len(failures) < world_size:
         pending = [r for r in range(world_size) if r not in results and r not in failures]
@@ -422,9 +431,9 @@ def _collect(procs, conns, stack_files, timeout):
             if remaining <= 0:
                 break
         else:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if watchdog.stuck(pending):
                 _raise_hung(pending, procs, stack_files, timeout)
+            remaining = 0.2
         # Short waits: a Ctrl-C that another thread received is acted on at once, not at the deadline.
         ready = wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending], min(remaining, 0.2))
         for rank in pending:
@@ -436,6 +445,58 @@ def _collect(procs, conns, stack_files, timeout):
         others = {rank: text.strip().splitlines()[-1][:200] for rank, (text, _) in failures.items() if rank != first}
         raise RankFailed(first, world_size, failures[first][0], others)
     return [results[r] for r in range(world_size)]
+
+
+class _Watchdog:
+    """Tells stuck ranks from slow ones. Before `timeout` seconds nothing is stuck; after it, the pending
+    ranks are stuck when none of them used CPU over the last STALL_WINDOW (all blocked: a hang) or one has
+    used `timeout` CPU-seconds itself (a runaway loop). A rank that computes on a loaded machine goes on."""
+
+    def __init__(self, procs, timeout: float):
+        self.procs, self.timeout = procs, timeout
+        self.deadline = time.monotonic() + timeout
+        self.samples: collections.deque = collections.deque()  # (when, {rank: CPU-seconds}), STALL_WINDOW of them
+
+    def stuck(self, pending: list[int]) -> bool:
+        now = time.monotonic()
+        if now < self.deadline - STALL_WINDOW:
+            return False
+        cpu = {rank: _cpu_seconds(self.procs[rank].pid) for rank in pending}
+        self.samples.append((now, cpu))
+        while len(self.samples) > 1 and now - self.samples[1][0] >= STALL_WINDOW:
+            self.samples.popleft()
+        then, before = self.samples[0]
+        if now < self.deadline or now - then < STALL_WINDOW:
+            return False
+        if None in cpu.values():  # no CPU clock to read (a rank just exited, or no /proc): wall time decides
+            return True
+        busy = [rank for rank in pending if cpu[rank] - before.get(rank, cpu[rank]) > STALL_CPU_SHARE * (now - then)]
+        return not busy or any(cpu[rank] >= self.timeout for rank in busy)
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system, all threads) a process has used; None for a process that is gone."""
+    if not os.path.isdir("/proc/self"):  # macOS: ps tells, as [[dd-]hh:]mm:ss[.cc]
+        return _ps_cpu_seconds(pid)
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _ps_cpu_seconds(pid: int) -> float | None:
+    try:
+        shown = subprocess.run(["ps", "-o", "time=", "-p", str(pid)], capture_output=True, text=True,
+                               timeout=5).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if not shown:
+        return None
+    days, _, clock = shown.rpartition("-")
+    seconds = sum(float(part) * 60 ** i for i, part in enumerate(reversed(clock.split(":"))))
+    return seconds + 86400 * int(days or 0)
 
 
 def _receive(rank, proc, conn, results, failures) -> None:
