@@ -1,8 +1,11 @@
 """pip (pyproject.toml, constraints.txt) and conda (environment.yml) users get the same pinned stack."""
 
 import os
+import platform
 import re
 from pathlib import Path
+
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -12,7 +15,8 @@ def _requirements(*lists):
     # Python 3.11): "dependencies", or an extra of [project.optional-dependencies].
     text = (ROOT / "pyproject.toml").read_text()
     blocks = re.findall(r"^(\w+) = \[(.*?)\]", text, flags=re.M | re.S)
-    return {req for name, block in blocks if name in lists for req in re.findall(r'"([^"]+)"', block)}
+    return {double or single for name, block in blocks if name in lists
+            for double, single in re.findall(r'"([^"]+)"|\'([^\']+)\'', block)}
 
 
 def _environment_pins():
@@ -21,13 +25,25 @@ def _environment_pins():
     return set(re.findall(r"^\s+- (\S+==\S+)\s*$", pip_section, flags=re.M))
 
 
-def _constraints():
+def _constraints(python=None):
+    """The pins of constraints.txt; with python ("3.11"), only those whose marker holds there, without it."""
     lines = (ROOT / "constraints.txt").read_text().splitlines()
-    return {line.strip() for line in lines if line.strip() and not line.startswith("#")}
+    pins = {line.strip() for line in lines if line.strip() and not line.startswith("#")}
+    if python is None:
+        return pins
+    return {str(Requirement(pin)).split(";")[0] for pin in pins
+            if Requirement(pin).marker is None or Requirement(pin).marker.evaluate({"python_version": python})}
 
 
 def test_environment_yml_pins_exactly_the_constraints():
-    assert _environment_pins() == _constraints()
+    python = re.search(r"^\s+- python=(\S+)$", (ROOT / "environment.yml").read_text(), flags=re.M).group(1)
+    assert _environment_pins() == _constraints(python)
+
+
+def test_every_python_from_3_10_gets_one_pin_of_each_package():
+    for python in ("3.10", "3.11", "3.12", "3.13"):
+        names = [pin.split("==")[0] for pin in _constraints(python)]
+        assert len(names) == len(set(names)) == len({pin.split("==")[0] for pin in _constraints()}), python
 
 
 def test_pyproject_pins_the_constraints_and_torch_is_a_range_that_holds_its_pin():
@@ -46,7 +62,7 @@ def test_the_installed_versions_are_the_pinned_ones():
     from importlib.metadata import PackageNotFoundError, version
 
     wrong = {}
-    for requirement in _constraints():
+    for requirement in _constraints(platform.python_version()):
         name, pinned = requirement.split("==")
         name = name.split("[")[0]
         try:
