@@ -130,8 +130,10 @@ def check(kind, version, world_size, batch_size=24, **options):
                 if expected is None:
                     assert grad is None, f"{where}: unused on every rank, its gradient must stay None"
                 else:
+                    # each rank's gradient of its own samples, summed in the bucket's order: a few ulps; atol for cancellations
                     torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6, msg=lambda m: f"{where}: {m}")
         for name, param, expected in zip(names, result["params"], expected_params):
+            # SGD adds lr times those gradients: their ulps, plus one rounding of each update per step
             torch.testing.assert_close(param, expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
     return results
 

@@ -100,7 +100,7 @@ def test_clipping_and_prefetch_depths_are_bit_identical():
     expected = single_process(max_grad_norm=0.5)
     results = launch(_train_corners, 3, [dict(prefetch=d, max_grad_norm=0.5) for d in (0, 1, 2)], timeout=60)
     for rank_results in results:
-        assert_close([w for w, _ in rank_results], expected, atol=1e-5, rtol=1e-5)
+        assert_close([w for w, _ in rank_results], expected, atol=1e-5, rtol=1e-5)  # as above
         for w, _ in rank_results[1:]:
             assert all(torch.equal(w[k], rank_results[0][0][k]) for k in w), "prefetch changes nothing but timing"
 
@@ -318,7 +318,7 @@ def test_schedulers_torch_clipping_and_preparing_again():
             scheduler.step()
             optimizer.zero_grad()
         expected = weights(model)
-    assert_close(launch(_drop_in, 3, timeout=60), expected, atol=1e-5, rtol=1e-5)
+    assert_close(launch(_drop_in, 3, timeout=60), expected, atol=1e-5, rtol=1e-5)  # Adam scales rounding noise up to lr
 
 
 # Typical wrong answers to exercises 3 and 6 lose points: the notebook's definitions with one

@@ -43,6 +43,7 @@ def test_partitioned_checkpoint_matches_the_single_process_mlp(world_size, shape
     plain = launch(run_block, world_size, shape, f, False, False, timeout=60)
     for rank, (got, x_grad, w1, w2, kept, ledger) in enumerate(launch(run_block, world_size, shape, f, True, offload,
                                                                       timeout=60)):
+        # the tensor-parallel halves add their partial products in another order than one matmul: a few ulps
         torch.testing.assert_close(torch.tensor(got), out.detach(), atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(torch.tensor(plain[rank][0]), out.detach(), atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(torch.tensor(plain[rank][1]), x.grad, atol=1e-5, rtol=1e-4)
@@ -79,6 +80,7 @@ def test_checkpointed_blocks_train_like_one_process(world_size):
     expected = train_two_blocks(3, False)
     for rank, params in enumerate(launch(train_two_blocks, world_size, 3, True, timeout=60)):
         for got, want, dim in zip(params, expected, [0, 0, 1, None] * 2):  # w1, b1, w2 sliced; b2 whole
+            # partial sums over the tensor-parallel ranks in another order, through 3 SGD steps: a few ulps each
             torch.testing.assert_close(got, want if dim is None else want.tensor_split(world_size, dim)[rank],
                                        atol=1e-5, rtol=1e-4)
 

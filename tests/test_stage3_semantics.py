@@ -73,7 +73,7 @@ def _unused_stage3(**options):
 def test_unused_parameter_is_not_updated(world_size, options):
     expected, expected_steps = _unused_single_process()
     results = launch(_unused_stage3, world_size, timeout=60, **options)
-    assert_close([w for w, _ in results], expected, atol=1e-6, rtol=1e-5)
+    assert_close([w for w, _ in results], expected, atol=1e-6, rtol=1e-5)  # sharded_training.assert_close's default, why there
     assert results[0][1] == expected_steps, "a parameter without gradient keeps its step count"
     assert expected_steps["skip.weight"] == 3 and expected_steps["rare"] == 2
 
@@ -122,7 +122,7 @@ def _loaded_stage3(param_dtype):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_model_load_state_dict_after_prepare_writes_through_to_the_shards(world_size):
     results = launch(_loaded_stage3, world_size, None, timeout=60)
-    assert_close([w for w, _ in results], _loaded_single_process(), atol=1e-6, rtol=1e-5)
+    assert_close([w for w, _ in results], _loaded_single_process(), atol=1e-6, rtol=1e-5)  # sharded_training.assert_close's default, why there
     assert all(tied for _, tied in results)
 
 
@@ -181,7 +181,7 @@ def test_consolidated_state_resumes_at_another_world_size(first, then):
     expected = weights(model)
     full = launch(_resume_elsewhere, first, None, 4, timeout=60)[0][1]
     resumed = launch(_resume_elsewhere, then, full, 4, timeout=60)
-    assert_close([w for w, _ in resumed], expected, atol=1e-6, rtol=1e-5)
+    assert_close([w for w, _ in resumed], expected, atol=1e-6, rtol=1e-5)  # sharded_training.assert_close's default, why there
 
 
 def _between_steps():
