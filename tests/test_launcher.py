@@ -117,7 +117,8 @@ def test_a_rank_that_computes_forever_is_stopped():
     with pytest.raises(RanksHung) as info:
         launch(_spin_on_rank_one, 2, timeout=2)
     assert sorted(info.value.stuck) == [0, 1]
-    assert "barrier" in info.value.stuck[0] and "_spin_on_rank_one" in info.value.stuck[1]
+    assert "barrier" in info.value.stuck[0] and "CPU-seconds" not in info.value.stuck[0]
+    assert "_spin_on_rank_one" in info.value.stuck[1] and "CPU-seconds of its own" in info.value.stuck[1]
 
 
 def test_cpu_time_from_ps_where_there_is_no_proc(monkeypatch):

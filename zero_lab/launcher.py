@@ -432,7 +432,7 @@ def _collect(procs, conns, stack_files, timeout):
                 break
         else:
             if watchdog.stuck(pending):
-                _raise_hung(pending, procs, stack_files, timeout)
+                _raise_hung(pending, procs, stack_files, timeout, watchdog.computing)
             remaining = 0.2
         # Short waits: a Ctrl-C that another thread received is acted on at once, not at the deadline.
         ready = wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending], min(remaining, 0.2))
@@ -456,6 +456,7 @@ class _Watchdog:
         self.procs, self.timeout = procs, timeout
         self.deadline = time.monotonic() + timeout
         self.samples: collections.deque = collections.deque()  # (when, {rank: CPU-seconds}), STALL_WINDOW of them
+        self.computing: dict[int, float] = {}  # when stuck: the ranks that were computing, and their CPU-seconds
 
     def stuck(self, pending: list[int]) -> bool:
         now = time.monotonic()
@@ -471,6 +472,7 @@ class _Watchdog:
         if None in cpu.values():  # no CPU clock to read (a rank just exited, or no /proc): wall time decides
             return True
         busy = [rank for rank in pending if cpu[rank] - before.get(rank, cpu[rank]) > STALL_CPU_SHARE * (now - then)]
+        self.computing = {rank: cpu[rank] for rank in busy}
         return not busy or any(cpu[rank] >= self.timeout for rank in busy)
 
 
@@ -523,7 +525,7 @@ def _exit_reason(proc) -> str:
     return f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
 
 
-def _raise_hung(pending, procs, stack_files, timeout):
+def _raise_hung(pending, procs, stack_files, timeout, computing):
     for rank in pending:
         os.kill(procs[rank].pid, signal.SIGUSR1)
     time.sleep(0.3)  # faulthandler writes from its signal handler: give it a moment
@@ -533,6 +535,8 @@ def _raise_hung(pending, procs, stack_files, timeout):
         # Keep the frames of the rank's own work: drop the launcher and multiprocessing ones.
         stacks[rank] = stack_files[rank].read().split("in _rank_main")[0].rsplit("\n", 1)[0]
     stuck = {rank: _blocked_in(stacks[rank]) for rank in pending}
+    for rank, seconds in computing.items():
+        stuck[rank] += f" (computing: {seconds:.0f} CPU-seconds of its own, a loop that does not end?)"
     raise RanksHung(timeout, len(procs), stuck, stacks)
 
 
