@@ -27,6 +27,9 @@ def test_an_untested_version_is_named_in_one_line_with_the_tested_ones(version, 
     line = torch_versions.untested(version, python)
     assert "\n" not in line and f"this is {named};" in line
     assert f"tested on PyTorch {torch_versions.PINNED} and Python 3.10-3.13" in line
+    # and the way to the tested stack
+    assert ("PyTorch" in named) == (f"pip install torch=={torch_versions.PINNED}" in line)
+    assert ("Python" in named) == ("PYTHON=python3.13 ./quickstart" in line)
 
 
 def import_zero_lab(tmp_path, torch_version=None, **env):

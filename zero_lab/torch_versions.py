@@ -47,16 +47,18 @@ def installed_torch() -> str | None:
 
 def untested(torch_version: str | None, python: tuple[int, int] = sys.version_info[:2]) -> str | None:
     """One line for a learner on a PyTorch or Python that the course is not tested on; None on a tested one."""
-    outside = []
+    oldest_py, newest_py = (".".join(map(str, v)) for v in TESTED_PYTHON)
+    outside, fixes = [], []
     if torch_version is not None and version_tuple(torch_version) != TESTED_TORCH:
         outside.append(f"PyTorch {torch_version}")
+        fixes.append(f"pip install torch=={PINNED}")
     if not TESTED_PYTHON[0] <= python <= TESTED_PYTHON[1]:
         outside.append(f"Python {python[0]}.{python[1]}")
+        fixes.append(f"a new .venv from a tested Python (rm -r .venv; PYTHON=python{newest_py} ./quickstart lab)")
     if not outside:
         return None
-    oldest_py, newest_py = (".".join(map(str, v)) for v in TESTED_PYTHON)
     return (f"zero_lab: this is {' and '.join(outside)}; the course is tested on PyTorch {PINNED} and Python "
-            f"{oldest_py}-{newest_py}. If a lesson fails, run it in the tested stack that ./quickstart installs.")
+            f"{oldest_py}-{newest_py}. If a lesson fails, try {' and '.join(fixes)}.")
 
 
 def check(version: str) -> None:
