@@ -5,7 +5,9 @@ stage 3 with offload="nvme", ZeRO++ and HSDP on nodes), right after prepare and 
 steps, with a frozen parameter and with the GPT's tied embedding, weak references to the model, the
 optimizer and a parameter are dead once the names are gone: at once (reference counting alone) for
 stages 0-2, after one gc.collect() for stage 3, whose model keeps its schedule and its optimizer
-through module and state-dict hooks, reference cycles the garbage collector frees. Re-running a cell
+through module and state-dict hooks, reference cycles the garbage collector frees; at stage 3 its
+schedule, NVMe tier and the units' tensors are checked too, and the tier's schedule holds its optimizer
+weakly (no cycle of its own on top of stage 3's). Re-running a cell
 (prepare, train, drop, three times; or the same model prepared again) grows neither the live tensors
 and their storages nor the modules, optimizers, process groups and threads, and a dropped NVMe tier
 removes its files. Each world size is one launch that runs every configuration; the checks happen in
@@ -90,6 +92,24 @@ def _prepare_and_train(options: dict, steps: int, frozen: bool, nvme_dir: str) -
         refs["inner optimizer"] = weakref.ref(optimizer.optimizer)
     if frozen:
         refs["frozen parameter"] = weakref.ref(model.transformer.wpe.weight)
+    refs.update(_stage3_refs(optimizer))
+    return refs
+
+
+def _stage3_refs(optimizer) -> dict[str, weakref.ref]:
+    """Stage 3's schedule, its NVMe tier and the memory of its units (gathered buffer, shards, master,
+    gradient shard): what a GPU gives back to torch.cuda.empty_cache() once they are freed."""
+    units = getattr(optimizer, "units", None)
+    if units is None or not hasattr(optimizer, "schedule"):
+        return {}
+    refs = {"schedule": weakref.ref(optimizer.schedule)}
+    if hasattr(optimizer, "tier"):
+        refs["NVMe tier"] = weakref.ref(optimizer.tier)
+        refs["NVMe tier's reader"] = weakref.ref(optimizer.schedule.reader)
+    for i, unit in enumerate(units):
+        for name in ("flat", "shard", "master", "grad_shard"):
+            if isinstance(tensor := getattr(unit, name, None), torch.Tensor):
+                refs[f"unit {i}'s {name}"] = weakref.ref(tensor)
     return refs
 
 
@@ -222,10 +242,13 @@ def _tier_files(nvme_dir: str) -> dict:
     train(model, optimizer, gpt_batches(STEPS), gpt_loss)
     directory, files = str(optimizer.tier.directory), list(optimizer.tier.files.values())
     alive = [os.fstat(f.fileno()).st_size for f in files]
+    # what the schedule holds that is the optimizer, or one of its bound methods (the shard loader)
+    holds = [name for name, value in vars(optimizer.schedule).items()
+             if value is optimizer or getattr(value, "__self__", None) is optimizer]
     del model, optimizer
     gc.collect()
     return {"directory": directory, "files while alive": alive, "exists after drop": not all(f.closed for f in files),
-            "left in nvme_dir": sorted(os.listdir(nvme_dir))}
+            "left in nvme_dir": sorted(os.listdir(nvme_dir)), "schedule holds the optimizer by": holds}
 
 
 RERUN_AT_3 = ("stage 0 bf16", "stage 2 offload bf16 dpu", "stage 3 nvme", "HSDP 3/node bf16")  # time: 3 ranks, 2 cores
@@ -302,6 +325,9 @@ def test_a_dropped_nvme_tier_removes_its_files(world_size):
         assert tier["files while alive"], f"rank {rank}: the tier wrote no files in {tier['directory']}"
         assert not tier["exists after drop"], f"rank {rank}: the tier's files in {tier['directory']} are still open after the drop"
         assert tier["left in nvme_dir"] == [], f"rank {rank}: left behind {tier['left in nvme_dir']}"
+        assert tier["schedule holds the optimizer by"] == [], (
+            f"rank {rank}: the tier's schedule holds its optimizer strongly by {tier['schedule holds the optimizer by']}: "
+            "a cycle on top of stage 3's (hold it through zero_lab.optim.weak_hook)")
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

@@ -31,8 +31,21 @@ def test_off_a_terminal_one_plain_line_per_test_with_its_number():
                     f"grading 00_collectives: test {third}, 9 s"])
     n = len(progress.tests)
     # the first test ran between two polls: it is announced all the same, in order
-    assert out.getvalue() == (f"grading test 1/{n}: {first} ...\ngrading test 2/{n}: {second} ...\n"
-                              f"grading test 3/{n}: {third} ...\n")
+    assert out.getvalue().splitlines()[:3] == [f"grading test 1/{n}: {first} ...",
+                                               f"grading test 2/{n}: {second} ...",
+                                               f"grading test 3/{n}: {third} ..."]
+
+
+@pytest.mark.parametrize("last_seen", [0, 1, 3])
+def test_off_a_terminal_every_test_is_announced_though_the_last_ran_after_the_final_poll(last_seen):
+    """nbgrader often ends between two polls: lesson 12's grade used to stop at "grading test 6/7"."""
+    out = io.StringIO()
+    progress = GradingProgress(LESSON, out)
+    seen = progress.tests[:last_seen]
+    feed(progress, ["grading 00_collectives: starting, 0 s",
+                    *(f"grading 00_collectives: test {test}, {i} s" for i, test in enumerate(seen, 1))])
+    n = len(progress.tests)
+    assert out.getvalue().splitlines() == [f"grading test {i}/{n}: {test} ..." for i, test in enumerate(progress.tests, 1)]
 
 
 def test_on_a_terminal_the_line_is_erased_so_the_table_starts_at_column_1():

@@ -1,7 +1,8 @@
 """zero-lab: build ZeRO yourself. Lessons export their modules here; see README.md.
 
 `import zero_lab` is light (no torch): it installs the switch between the reference code and
-the learner's own, and, in a Jupyter kernel, the one-line message for an unfinished exercise.
+the learner's own, says in one line when this PyTorch or Python is not the tested one, and, in a
+Jupyter kernel, installs the one-line message for an unfinished exercise.
 The names below load their module (and torch) on first use: `zero_lab.launch`, `zero_lab.prepare`.
 """
 
@@ -10,6 +11,7 @@ import os
 import sys
 import types
 
+from zero_lab import torch_versions
 from zero_lab.course_tools import implementation
 
 # Asking "is there a GPU?" through NVML keeps CUDA uninitialised in the parent, so ranks forked
@@ -18,6 +20,11 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 # First, so that every later `import zero_lab.<module>` goes through the reference/mine switch.
 implementation.install()
+
+# On a PyTorch or Python the course is not tested on: one line now, not a failure deep in a lesson
+# (once per program: under torchrun, on rank 0 only).
+if (untested := torch_versions.untested(torch_versions.installed_torch())) and os.environ.get("RANK", "0") == "0":
+    print(untested, file=sys.stderr)
 
 if implementation.in_notebook():  # in Jupyter: an unfinished exercise says so in one line
     from zero_lab.course_tools import notebook

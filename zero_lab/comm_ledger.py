@@ -38,7 +38,10 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from zero_lab import torch_versions  # noqa: F401  (the collectives' current names, on an older torch too)
+from zero_lab import torch_versions
+
+torch_versions.check(torch.__version__)
+torch_versions.bridge_collective_names()  # the collectives' current names, on an older torch too
 
 BACKEND = "counted"
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zero_lab.cpu_adam import cpu_adam_
+from zero_lab.optim import weak_hook
 from zero_lab.zero1 import MASTER_DTYPE, clip_grad_norm_
 from zero_lab.zero3 import UnitSchedule, Zero3Optimizer
 
@@ -327,7 +328,7 @@ class Zero3Infinity(Zero3Optimizer):
         except BaseException:
             self.close()
             raise
-        self.schedule.load = self._load_shard
+        self.schedule.load = weak_hook(self._load_shard)  # weak: the schedule must not keep its optimizer alive
 
     def _check_space(self, directory, quota) -> None:
         """Refuse before writing anything: a quota or a disk too small for this rank's states."""

@@ -48,7 +48,8 @@ def run_start(args) -> int:
 class GradingProgress:
     """What `zero-lab grade` shows while nbgrader runs: on a terminal one line rewritten in place
     (and erased at the end, so the table starts at column 1); elsewhere (a log, a notebook's `!`,
-    CI) a plain line as each test cell starts: "grading test 3/8: zero3_trains ..."."""
+    CI) a plain line per test cell, "grading test 3/8: zero3_trains ...", as it starts, or as soon
+    as a later one or the end of grading shows that it ran between two polls."""
 
     RUNNING_TEST = re.compile(r": test ([\w-]+),")  # grading.status_line's "grading LESSON: test ID, N s"
     TEST_CELL = re.compile(r"#\|\s*test\s+([\w-]+)")
@@ -68,14 +69,18 @@ class GradingProgress:
         if not running or running[1] not in self.tests[self.shown:]:
             return
         # Test cells run in notebook order; one that took less than a poll of the grader is announced too.
-        upto = self.tests.index(running[1], self.shown) + 1
+        self.announce(upto=self.tests.index(running[1], self.shown) + 1)
+
+    def announce(self, upto: int) -> None:
         for number in range(self.shown + 1, upto + 1):
             print(f"grading test {number}/{len(self.tests)}: {self.tests[number - 1]} ...", file=self.stream, flush=True)
-        self.shown = upto
+        self.shown = max(self.shown, upto)
 
     def done(self) -> None:
         if self.on_terminal:
             print(f"\r{'':<78}\r", end="", file=self.stream, flush=True)
+        else:  # the last tests often finish between two polls, after the grader's final one
+            self.announce(upto=len(self.tests))
 
 
 def run_grade(args) -> int:

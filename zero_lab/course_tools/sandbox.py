@@ -1,5 +1,5 @@
 """What `nbgrader autograde` gives learner code: it runs with the grader's rights, so grading
-confines what it can. nbgrader_config.py calls `confine` in an autograde run (the README's
+confines what it can. nbgrader_config.py calls `confine` in an autograde run (docs/grading.md's
 `nbgrader autograde` and `zero-lab grade` alike):
 
 - HOME and TMPDIR point into a scratch folder inside the course (nothing written outside it),
