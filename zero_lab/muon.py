@@ -133,9 +133,9 @@ class GatherMuon:
 
     def pieces(self):
         """What step() needs to know about each matrix my shard touches: yours to design."""
-        start, stop = self.layout.shard(self.rank)
+        first, last = self.layout.shard(self.rank)
         for p, offset in zip(self.params, self.offsets):
-            lo, hi = max(offset, start), min(offset + p.numel(), stop)
+            lo, hi = max(offset, first), min(offset + p.numel(), last)
             if lo < hi:  # my shard holds [lo, hi) of the flat buffer; the matrix starts at offset
                 yield p, offset, lo, hi
 
