@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from graded_cells import assert_mutant_fails, assert_reference_full_and_learner_zero
+from graded_cells import assert_mutant_fails, assert_reference_full_and_learner_zero, graded_cell_with
 import zero_lab
 from zero_lab import launch
 from zero_lab.course_tools import questions
@@ -204,40 +204,135 @@ def test_newton_schulz_of_a_slice_is_not_the_slice_of_newton_schulz():
 
 
 SOLUTION_STEP = "        grad = reduce_scatter_mean(self.flat_grad)  # my shard of the mean gradient\n"
+GATHER_NS = ('            ortho = newton_schulz(whole[offset:offset + p.numel()].view_as(p), g["ns_coefficients"], g["ns_steps"],\n'
+             '                                  g["eps"])\n')
+OWN_NS = '            ortho = newton_schulz(direction, g["ns_coefficients"], g["ns_steps"], g["eps"])\n'
+OWN_ALL_GATHER = "        all_gather_params(self.flat_param, self.flat_param[start:start + segment])  # from their owners to all\n"
+LPT = ("    for i in sorted(range(len(numels)), key=lambda i: -numels[i]):\n"
+       "        owners[i] = min(range(world_size), key=lambda rank: loads[rank])\n")
+ROUND_ROBIN = "    for i in range(len(numels)):\n        owners[i] = i % world_size\n"
 MUTANTS = {  # name: (text of the reference, the mistake, the graded cell that must fail)
-    "Newton-Schulz on my shard of the direction, not the gathered matrix": (
-        "        dist.all_gather_single(whole, direction)  # every matrix's direction, whole, on every rank\n",
-        "        whole.zero_()[start:start + direction.numel()] = direction\n", "gather_matches_muon"),
+    # exercise 1: what must round as torch's does
+    "no normalisation before Newton-Schulz": (
+        "    x = x / x.norm().clamp(min=eps)", "    x = x", "ns_like_torch"),
+    "the norm not clamped (the zero matrix gives NaN)": (
+        "    x = x / x.norm().clamp(min=eps)", "    x = x / x.norm()", "ns_like_torch"),
+    "the norm of the fp32 matrix, not of the bf16 one": (
+        "    x = x / x.norm().clamp(min=eps)", "    x = x / matrix.float().norm().clamp(min=eps)", "ns_like_torch"),
+    "Newton-Schulz in fp32": ("    x = matrix.bfloat16()", "    x = matrix.float()", "ns_like_torch"),
+    "a tall matrix not transposed (the large Gram matrix)": (
+        "    tall = matrix.size(0) > matrix.size(1)", "    tall = False", "ns_like_torch"),
+    "a separate product for each term (more roundings)": (
+        "        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)",
+        "        x = a * x + b * gram @ x + c * gram @ (gram @ x)", "ns_like_torch"),
+    # exercise 2
     "Nesterov direction from the old buffer (plain momentum)": (
-        "    return grad.lerp(buffer, momentum) if nesterov else buffer\n",
-        "    return buffer\n", "muon_like_torch"),
+        "    return grad.lerp(buffer, momentum) if nesterov else buffer\n", "    return buffer\n", "muon_like_torch"),
+    "momentum as a multiply and an add (two roundings)": (
+        "    buffer.lerp_(grad, 1 - momentum)", "    buffer.mul_(momentum).add_(grad, alpha=1 - momentum)",
+        "muon_like_torch"),
     "weight decay applied twice": (
         "    param.mul_(1 - lr * weight_decay)\n",
         "    param.mul_(1 - lr * weight_decay)\n    param.mul_(1 - lr * weight_decay)\n", "muon_like_torch"),
     "weight decay with the adjusted lr": (
         "    param.mul_(1 - lr * weight_decay)\n",
         "    param.mul_(1 - adjust_lr(lr, adjust_lr_fn, shape) * weight_decay)\n", "muon_like_torch"),
-    "ownership that ignores size (round robin)": (
-        "    for i in sorted(range(len(numels)), key=lambda i: -numels[i]):\n        owners[i] = min(range(world_size), key=lambda rank: loads[rank])\n",
-        "    for i in range(len(numels)):\n        owners[i] = i % world_size\n", "assign_owners"),
-    "the updated matrices not all-gathered from their owners": (
-        "        all_gather_params(self.flat_param, self.flat_param[start:start + segment].clone())  # from their owners\n",
-        "", "own_matches_muon"),
+    "the original lr rule without max(1, rows / columns)": (
+        "        return lr * math.sqrt(max(1, rows / columns))", "        return lr * math.sqrt(rows / columns)",
+        "muon_like_torch"),
+    "match_rms_adamw with the shorter side": (
+        "        return lr * 0.2 * math.sqrt(max(rows, columns))", "        return lr * 0.2 * math.sqrt(min(rows, columns))",
+        "muon_like_torch"),
+    # exercise 3
+    "the embeddings given to Muon": (
+        "            whole_matrix = p.ndim == 2 and id(p) not in embeddings | heads",
+        "            whole_matrix = p.ndim == 2", "split_params"),
+    "frozen parameters kept": ("        if p.requires_grad:\n", "        if True:\n", "split_params"),
+    # exercise 4
+    "Newton-Schulz on my shard of the direction, not the gathered matrix": (
+        "        dist.all_gather_single(whole, direction)  # every matrix's direction, whole, on every rank\n",
+        "        whole.zero_()[start:start + direction.numel()] = direction\n", "gather_matches_muon"),
+    "the mean gradient gathered, not the momentum direction": (
+        "        dist.all_gather_single(whole, direction)", "        dist.all_gather_single(whole, grad)",
+        "gather_matches_muon"),
     "gradients summed, not averaged (gather)": (
         SOLUTION_STEP, "        grad = reduce_scatter_mean(self.flat_grad) * self.world_size\n", "gather_matches_muon"),
     "the parameters not all-gathered after the update (gather)": (
         "        all_gather_params(self.flat_param, self.master)  # everybody's updated shard\n", "", "gather_matches_muon"),
-    "no normalisation before Newton-Schulz": (
-        "    x = x / x.norm().clamp(min=eps)", "    x = x", "ns_like_torch"),
+    "the group's Newton-Schulz settings ignored (gather)": (
+        GATHER_NS, "            ortho = newton_schulz(whole[offset:offset + p.numel()].view_as(p))\n",
+        "gather_matches_muon"),
+    "the lr adjusted for my slice's shape, not the matrix's": (
+        "ortho.reshape(-1)[lo - offset:hi - offset], p.shape,", "ortho.reshape(-1)[lo - offset:hi - offset], (hi - lo, 1),",
+        "gather_matches_muon"),
+    "pieces() misses a matrix that starts in the shard before mine": (
+        "            if lo < hi:  # my shard", "            if first <= offset < last:  # my shard", "gather_matches_muon"),
+    # exercise 5
+    "ownership that ignores size (round robin)": (LPT, ROUND_ROBIN, "assign_owners"),
+    "the smallest matrices first": (
+        "key=lambda i: -numels[i]):", "key=lambda i: numels[i]):", "assign_owners"),
+    "ties to the higher rank": (
+        "        owners[i] = min(range(world_size), key=lambda rank: loads[rank])",
+        "        owners[i] = min(reversed(range(world_size)), key=lambda rank: loads[rank])", "assign_owners"),
+    "offsets one after another, ignoring the segments": (
+        "        free = [rank * self.segment_numel for rank in range(self.world_size)]", "        free = [0] * self.world_size",
+        "assign_owners"),
+    # exercise 6
+    "the updated matrices not all-gathered from their owners": (OWN_ALL_GATHER, "", "own_matches_muon"),
+    "gradients summed, not averaged (own)": (
+        "        grads = reduce_scatter_mean(self.flat_grad)  # segment r",
+        "        grads = reduce_scatter_mean(self.flat_grad) * self.world_size  # segment r", "own_matches_muon"),
+    "the group's Newton-Schulz settings ignored (own)": (
+        OWN_NS, "            ortho = newton_schulz(direction)\n", "own_matches_muon"),
+    # exercise 7
     "gather's bytes without the all-gather of the direction": (
         "        return 3 * (world_size - 1) * (padded // world_size) * element_size\n",
         "        return 2 * (world_size - 1) * (padded // world_size) * element_size\n", "bytes_and_flops"),
+    "own's bytes as if the loads were equal": (
+        "    return 2 * (world_size - 1) * layout.segment_numel * element_size",
+        "    return 2 * (world_size - 1) * -(-sum(numels) // world_size) * element_size", "bytes_and_flops"),
+    "gather's FLOPs only for the matrices that start in a shard": (
+        "                if max(lo, layout.shard(rank)[0]) < min(lo + n, layout.shard(rank)[1])) for rank in range(world_size)]",
+        "                if layout.shard(rank)[0] <= lo < layout.shard(rank)[1]) for rank in range(world_size)]",
+        "bytes_and_flops"),
 }
 
 
 @pytest.mark.parametrize("mutant", MUTANTS)
 def test_typical_mistakes_fail_their_graded_cell(mutant):
     assert_mutant_fails(LESSON, *MUTANTS[mutant])
+
+
+def _failure(test_id, old, new):
+    """The message of the graded cell `test_id` with one mistake in the reference."""
+    namespace, source = graded_cell_with(LESSON, test_id, old, new)
+    with pytest.raises(AssertionError) as failed:
+        exec(compile(source, test_id, "exec"), namespace)
+    return str(failed.value)
+
+
+@pytest.mark.parametrize("old, new, test_id, says", [
+    (OWN_ALL_GATHER, "", "own_matches_muon",
+     "2 ranks, defaults, after 3 steps, rank 0, matrix 0 (6, 4): all its elements still hold their starting values: "
+     "rank 1 updates them (it owns the matrix) and rank 0 never received them from it"),
+    ("        all_gather_params(self.flat_param, self.master)  # everybody's updated shard\n", "", "gather_matches_muon",
+     "rank 1, matrix 0 (6, 4): all its elements still hold their starting values: rank 0 updates them (they are in its "
+     "shard) and rank 1 never received them from it"),
+    (LPT, ROUND_ROBIN, "assign_owners", "That is round robin (matrix i to rank i mod N), which ignores the sizes. The rule "
+     "takes the matrices largest first; when matrix 1 (30 elements) comes, the loads are [0, 0], so it goes to rank 0"),
+    (LPT, ROUND_ROBIN, "bytes_and_flops", "exercise 5 is the cause"),
+    (LPT, ROUND_ROBIN, "own_matches_muon", "exercise 5 first"),
+    (GATHER_NS, "            ortho = newton_schulz(whole[offset:offset + p.numel()].view_as(p))\n", "gather_matches_muon",
+     "equals torch.optim.Muon with the default Newton–Schulz settings, so the group's ns_coefficients, ns_steps and "
+     "eps are ignored"),
+])
+def test_failures_name_their_cause(old, new, test_id, says):
+    assert says in _failure(test_id, old, new)
+
+
+def test_a_failed_test_reports_every_failed_check():
+    message = _failure("own_matches_muon", OWN_ALL_GATHER, "")
+    assert "rank 1, matrix 2 (7, 7)" in message and "3 ranks" in message and "all_gather 0 call(s)" in message
 
 
 def test_hidden_tests_are_worth_points(graded):

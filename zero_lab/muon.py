@@ -132,11 +132,11 @@ class GatherMuon:
         self.momentum = torch.zeros_like(self.master)  # 1/N of the momentum
 
     def pieces(self):
-        """(param, offset, lo, hi) for each matrix my shard touches: it holds [lo, hi) of the flat buffer."""
-        start, stop = self.layout.shard(self.rank)
+        """What step() needs to know about each matrix my shard touches: yours to design."""
+        first, last = self.layout.shard(self.rank)
         for p, offset in zip(self.params, self.offsets):
-            lo, hi = max(offset, start), min(offset + p.numel(), stop)
-            if lo < hi:
+            lo, hi = max(offset, first), min(offset + p.numel(), last)
+            if lo < hi:  # my shard holds [lo, hi) of the flat buffer; the matrix starts at offset
                 yield p, offset, lo, hi
 
     @torch.no_grad()
@@ -238,7 +238,7 @@ class OwnerMuon:
                                             g["momentum"], g["nesterov"])
             ortho = newton_schulz(direction, g["ns_coefficients"], g["ns_steps"], g["eps"])
             apply_update_(p, ortho, p.shape, g["lr"], g["weight_decay"], g["adjust_lr_fn"])
-        all_gather_params(self.flat_param, self.flat_param[start:start + segment].clone())  # from their owners
+        all_gather_params(self.flat_param, self.flat_param[start:start + segment])  # from their owners to all
 
     def zero_grad(self) -> None:
         self.flat_grad.zero_()
