@@ -5,7 +5,6 @@ LESSON = "10_infinity"
 
 import errno
 import os
-import time
 
 import pytest
 import torch
@@ -27,7 +26,20 @@ UPDATE_CHUNK = ("            name, grad, start, numel = chunk\n"
 
 # Typical wrong answers: each must fail the graded cell named with it (points lost = that cell's points).
 MUTANTS = {
-    "charge never sleeps": ("        time.sleep(wait)\n", "", "inf_token_bucket"),
+    "charge never sleeps": ("        self.sleep(wait)\n", "", "inf_token_bucket"),
+    "charge sleeps with time.sleep, not the bucket's sleep": ("self.sleep(wait)", "time.sleep(wait)", "inf_token_bucket"),
+    "charge reads time.perf_counter, not the bucket's clock": ("now = self.clock()", "now = time.perf_counter()",
+                                                              "inf_token_bucket"),
+    "charge sleeps while it holds the lock": ("            wait = self.free_at - now\n        self.sleep(wait)\n",
+                                              "            wait = self.free_at - now\n            self.sleep(wait)\n",
+                                              "inf_token_bucket"),
+    "the bookkeeping outside the lock": ("        with self.lock:\n            now = self.clock()", "        if True:\n            now = self.clock()",
+                                         "inf_token_bucket"),
+    "charge returns nothing": ("        self.sleep(wait)\n        return wait\n", "        self.sleep(wait)\n", "inf_token_bucket"),
+    "charge sleeps at least a millisecond": ("self.sleep(wait)", "self.sleep(max(wait, 1e-3))", "inf_token_bucket"),
+    "charge polls the clock in small sleeps": (
+        "        self.sleep(wait)\n", "        while self.clock() < self.free_at and wait > 0:\n            self.sleep(min(wait, 1e-3))\n"
+        "            wait -= 1e-3\n", "inf_token_bucket"),
     "each transfer waits only its own bytes (no queue)": (
         "            self.free_at = max(now, self.free_at) + nbytes / self.bandwidth\n            wait = self.free_at - now\n",
         "            wait = nbytes / self.bandwidth\n", "inf_token_bucket"),
@@ -43,8 +55,10 @@ MUTANTS = {
     "on_update never called": ("                on_update(name, start, master)\n", "                pass\n", "inf_tier_adamw"),
     "the shard never dropped at release": ("        super().release(unit, phase)\n        unit.shard.untyped_storage().resize_(0)\n",
                                            "        super().release(unit, phase)\n", "inf_tier_schedule"),
-    "a prefetched shard read on the main thread": ("        if not async_op:\n            self.load(unit)\n",
-                                                   "        if True:\n            self.load(unit)\n", "inf_tier_schedule"),
+    "a prefetched shard read on the main thread": ("self.reader.submit(self.load, unit)",
+                                                   "(self.load(unit), self.reader.submit(int))[1]", "inf_tier_schedule"),
+    "a prefetch that returns no handle": ("        if not async_op:\n            self.load(unit)\n",
+                                          "        if True:\n            self.load(unit)\n", "inf_tier_schedule"),
     "the prefetch's all-gather started before its read finished": (
         "        self.read.result()\n        self.gather()\n", "        self.gather()\n        self.read.result()\n",
         "inf_tier_schedule"),
@@ -176,13 +190,14 @@ def test_bad_directory_and_names_get_errors_with_the_fix(tmp_path):
         TokenBucket(0)
 
 
-def test_the_throttled_tier_takes_bytes_over_bandwidth(tmp_path):
+def test_the_throttled_tier_charges_every_transfer_to_its_bucket(tmp_path):
+    """What the tier asks its bucket for, on a clock that stands still: each transfer queues behind the last."""
+    asked = []
     with NvmeTier(tmp_path, bandwidth=4e6) as tier:
-        start = time.perf_counter()
-        tier.write("w", torch.zeros(50_000))  # 0.2 MB each way
-        tier.read("w")
-        took = time.perf_counter() - start
-    assert 0.09 <= took <= 0.5, took
+        tier.bucket = TokenBucket(4e6, clock=lambda: 0.0, sleep=asked.append)
+        tier.write("w", torch.zeros(50_000))  # 0.2 MB each way: 0.05 s at 4 MB/s
+        tier.read("w", 10_000, 10_000)  # 40 kB: 0.01 s more
+    assert asked == pytest.approx([0.05, 0.1, 0.11], rel=1e-9)
 
 
 def tiled_steps(tiles, steps):

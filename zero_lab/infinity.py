@@ -36,22 +36,24 @@ from zero_lab.zero3 import UnitSchedule, Zero3Optimizer
 
 
 class TokenBucket:
-    """Transfers at `bandwidth` bytes/s, one after another, from any thread: charge() waits for each."""
+    """Transfers at `bandwidth` bytes/s, one after another, from any thread: charge() waits for each.
 
-    def __init__(self, bandwidth: float):
+    clock() is now in seconds and sleep(seconds) waits: a test passes its own to see what the bucket asks for."""
+
+    def __init__(self, bandwidth: float, clock=time.perf_counter, sleep=time.sleep):
         if not bandwidth > 0:
             raise ValueError(f"bandwidth must be a positive number of bytes/s, got {bandwidth!r}; pass None for no throttle")
-        self.bandwidth = float(bandwidth)
-        self.free_at = time.perf_counter()  # when the device has finished every transfer charged so far
+        self.bandwidth, self.clock, self.sleep = float(bandwidth), clock, sleep
+        self.free_at = clock()  # when the device has finished every transfer charged so far
         self.lock = threading.Lock()
 
     def charge(self, nbytes: int) -> float:
         """Queue a transfer of nbytes, sleep until it has finished; return the seconds slept."""
         with self.lock:
-            now = time.perf_counter()
+            now = self.clock()
             self.free_at = max(now, self.free_at) + nbytes / self.bandwidth
             wait = self.free_at - now
-        time.sleep(wait)
+        self.sleep(wait)
         return wait
 
 
