@@ -24,6 +24,16 @@ UPDATE_CHUNK = ("            name, grad, start, numel = chunk\n"
                 "            for state, value in zip(STATES, (master, exp_avg, exp_avg_sq)):\n"
                 "                tier.write(f\"{name}.{state}\", value, start)\n")
 
+PUT_SLICE = "    tier.write(name, flat[rank * shard:(rank + 1) * shard])\n"
+PARTITIONED_BETWEEN = (
+    "    ### END SOLUTION\n\n\n"
+    "def read_partitioned(tier: NvmeTier, name: str, shape, group=None) -> torch.Tensor:\n"
+    '    """The whole parameter of `shape`: this rank reads only its slice from its own tier, then one all-gather."""\n'
+    "    ### BEGIN SOLUTION\n")
+READ_SLICE_AND_GATHER = ("    shard = tier.read(name)\n    whole = torch.empty(dist.get_world_size(group) * shard.numel())\n"
+                         "    dist.all_gather_single(whole, shard, group=group)\n"
+                         "    return whole[:math.prod(shape)].view(shape)\n")
+
 # Typical wrong answers: each must fail the graded cell named with it (points lost = that cell's points).
 MUTANTS = {
     "charge never sleeps": ("        self.sleep(wait)\n", "", "inf_token_bucket"),
@@ -95,6 +105,25 @@ MUTANTS = {
         "inf_stream_step"),
     "the step streamed without read-ahead": ("prefetch=optimizer.read_ahead, on_update", "prefetch=0, on_update",
                                              "inf_stream_step"),
+    "rank 0 keeps and reads the whole parameter, then broadcasts it": (
+        PUT_SLICE + PARTITIONED_BETWEEN + READ_SLICE_AND_GATHER,
+        "    if rank == 0:\n        tier.write(name, tensor.detach().reshape(-1))\n" + PARTITIONED_BETWEEN +
+        "    whole = tier.read(name) if dist.get_rank(group) == 0 else torch.empty(math.prod(shape))\n"
+        "    dist.broadcast(whole, dist.get_global_rank(group, 0) if group is not None else 0, group=group)\n"
+        "    return whole.view(shape)\n", "inf_partitioned"),
+    "every rank keeps and reads the whole parameter": (
+        PUT_SLICE, "    tier.write(name, tensor.detach().reshape(-1))\n",
+        "inf_partitioned"),
+    "shards of numel // N (the remainder lost, no padding)": ("    shard = -(-tensor.numel() // world_size)\n",
+                                                              "    shard = tensor.numel() // world_size\n", "inf_partitioned"),
+    "the world's rank and size, not the group's": ("    rank, world_size = dist.get_rank(group), dist.get_world_size(group)\n",
+                                                   "    rank, world_size = dist.get_rank(), dist.get_world_size()\n",
+                                                   "inf_partitioned"),
+    "the padding never cut off": ("    return whole[:math.prod(shape)].view(shape)\n", "    return whole.view(-1, *shape[1:])\n",
+                                  "inf_partitioned"),
+    "rank r keeps every N-th element (r, r + N, ...)": (
+        PUT_SLICE, "    tier.write(name, flat[rank::world_size].clone())\n",
+        "inf_partitioned"),
     "the forward tile never freed (two alive at once)": (
         "            del flat, weight, bias  # freed before the next tile is gathered\n", "", "inf_tiled_linear"),
     "the backward tile never freed": ("            del flat, weight\n", "", "inf_tiled_linear"),
@@ -124,7 +153,7 @@ def test_typical_mistakes_fail_their_graded_cell(mutant):
 
 
 def test_hidden_tests_are_worth_points(graded):
-    assert_reference_full_and_learner_zero(graded, LESSON, 17)
+    assert_reference_full_and_learner_zero(graded, LESSON, 19)
 
 
 OPTIONS = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
