@@ -63,6 +63,12 @@ MUTANTS = {
     "the next read submitted after the write-back (no overlap)": (SUBMIT_NEXT + UPDATE_CHUNK, UPDATE_CHUNK + SUBMIT_NEXT,
                                                                    "inf_tier_adamw"),
     "on_update never called": ("                on_update(name, start, master)\n", "                pass\n", "inf_tier_adamw"),
+    "each chunk updated with the tensor's first elements of the gradient": (
+        "cpu_adam_(master, grad[start:start + numel], exp_avg", "cpu_adam_(master, grad[:numel], exp_avg", "inf_tier_adamw"),
+    "the step count passed one short (bias correction of the step before)": (
+        "exp_avg, exp_avg_sq, step, lr=lr", "exp_avg, exp_avg_sq, max(step - 1, 1), lr=lr", "inf_tier_adamw"),
+    "a prefetch's wait() ends the read but never all-gathers": ("        self.read.result()\n        self.gather()\n",
+                                                               "        self.read.result()\n", "inf_tier_schedule"),
     "the shard never dropped at release": ("        super().release(unit, phase)\n        unit.shard.untyped_storage().resize_(0)\n",
                                            "        super().release(unit, phase)\n", "inf_tier_schedule"),
     "a prefetched shard read on the main thread": ("self.reader.submit(self.load, unit)",
