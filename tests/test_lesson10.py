@@ -183,7 +183,7 @@ def test_tier_adamw_matches_torch_adamw_and_moves_12_bytes_each_way(tmp_path, si
             tier_adamw_step(tier, names, grads, step, chunk_numel=chunk_numel, prefetch=prefetch, **OPTIONS)
             assert tier.bytes_read - read == tier.bytes_written - written == 12 * sum(sizes)
         assert tier.held_bytes == 0 and tier.peak_held_bytes <= (prefetch + 1) * 12 * chunk_numel
-        for name, p in zip(names, params):
+        for name, p in zip(names, params):  # the same fp32 AdamW in another order: a few roundings (2^-23 each) apart
             torch.testing.assert_close(tier.read(f"{name}.master"), p.detach(), rtol=1e-6, atol=1e-7)
             torch.testing.assert_close(tier.read(f"{name}.exp_avg_sq"), expected.state[p]["exp_avg_sq"], rtol=1e-6, atol=1e-9)
 
@@ -263,5 +263,6 @@ def test_tiled_linear_trains_like_the_untiled_layer_with_one_tile_gathered(world
         for tile, shard in zip(rows, shards):
             flat = torch.cat([reference.weight[tile].reshape(-1), reference.bias[tile]]).detach()
             padded = torch.cat([flat, torch.zeros(shard.numel() * world_size - flat.numel())])
+            # fp32 matmuls summed in tiles and over ranks in another order than one Linear's: 3 SGD steps apart
             torch.testing.assert_close(shard, padded.view(world_size, -1)[rank], atol=1e-5, rtol=1e-4)
         assert peak == 4 * world_size * max(-(-len(tile) * 7 // world_size) for tile in rows)  # one tile, padded
