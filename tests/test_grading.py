@@ -159,3 +159,30 @@ def test_demo_cells_are_dropped_from_the_graded_copy(tmp_path):
     nbformat.write(nb, tmp_path / "nb.ipynb")
     grading.drop_demo_cells(tmp_path / "nb.ipynb")
     assert [c.source for c in build.read_notebook(tmp_path / "nb.ipynb").cells] == ["kept"]
+
+
+RANK_TRACEBACK = '''rank 1 of 2 failed:
+Traceback (most recent call last):
+  File "/repo/zero_lab/launcher.py", line 182, in _rank_main
+    message = ("ok", _on_host(fn(*args, **kwargs)))
+  File "Cell In[2]", line 6, in fn
+    return charge(dist.get_rank())
+           ^^^^^^^^^^^^^^^^^^^^^^^
+  File "Cell In[2]", line 3, in charge
+    return x.nope
+           ^^^^^^
+AttributeError: 'int' object has no attribute 'nope'
+then rank 0 failed: AttributeError: 'int' object has no attribute 'nope\''''
+IPYTHON_TRACEBACK = ["\x1b[31m---------\x1b[39m", "AttributeError  Traceback (most recent call last)",
+                     "Cell In[4], line 1\n----> 1 charge(3)\n", "Cell In[2], line 3, in charge(x)\n      1 def charge(x):\n"
+                     "      2     y = 1\n\x1b[32m----> 3\x1b[39m     return x.nope\n",
+                     "AttributeError: 'int' object has no attribute 'nope'"]
+
+
+def test_a_reason_names_the_learners_function_line_and_code():
+    """An exception in the learner's code, in a rank or in the kernel, is reported with where it was raised."""
+    where = " (in charge, line 3 of its cell: `return x.nope`)"
+    assert grading.reason(dict(ename="RankFailed", evalue=RANK_TRACEBACK), 0, 2) == \
+        "rank 1 of 2 failed: AttributeError: 'int' object has no attribute 'nope'" + where
+    assert grading.reason(dict(ename="AttributeError", evalue="'int' object has no attribute 'nope'",
+                               traceback=IPYTHON_TRACEBACK), 0, 2) == "AttributeError: 'int' object has no attribute 'nope'" + where

@@ -5,7 +5,6 @@ LESSON = "10_infinity"
 
 import errno
 import os
-import time
 
 import pytest
 import torch
@@ -25,9 +24,32 @@ UPDATE_CHUNK = ("            name, grad, start, numel = chunk\n"
                 "            for state, value in zip(STATES, (master, exp_avg, exp_avg_sq)):\n"
                 "                tier.write(f\"{name}.{state}\", value, start)\n")
 
+PUT_SLICE = "    tier.write(name, flat[rank * shard:(rank + 1) * shard])\n"
+PARTITIONED_BETWEEN = (
+    "    ### END SOLUTION\n\n\n"
+    "def read_partitioned(tier: NvmeTier, name: str, shape, group=None) -> torch.Tensor:\n"
+    '    """The whole parameter of `shape`: this rank reads only its slice from its own tier, then one all-gather."""\n'
+    "    ### BEGIN SOLUTION\n")
+READ_SLICE_AND_GATHER = ("    shard = tier.read(name)\n    whole = torch.empty(dist.get_world_size(group) * shard.numel())\n"
+                         "    dist.all_gather_single(whole, shard, group=group)\n"
+                         "    return whole[:math.prod(shape)].view(shape)\n")
+
 # Typical wrong answers: each must fail the graded cell named with it (points lost = that cell's points).
 MUTANTS = {
-    "charge never sleeps": ("        time.sleep(wait)\n", "", "inf_token_bucket"),
+    "charge never sleeps": ("        self.sleep(wait)\n", "", "inf_token_bucket"),
+    "charge sleeps with time.sleep, not the bucket's sleep": ("self.sleep(wait)", "time.sleep(wait)", "inf_token_bucket"),
+    "charge reads time.perf_counter, not the bucket's clock": ("now = self.clock()", "now = time.perf_counter()",
+                                                              "inf_token_bucket"),
+    "charge sleeps while it holds the lock": ("            wait = self.free_at - now\n        self.sleep(wait)\n",
+                                              "            wait = self.free_at - now\n            self.sleep(wait)\n",
+                                              "inf_token_bucket"),
+    "the bookkeeping outside the lock": ("        with self.lock:\n            now = self.clock()", "        if True:\n            now = self.clock()",
+                                         "inf_token_bucket"),
+    "charge returns nothing": ("        self.sleep(wait)\n        return wait\n", "        self.sleep(wait)\n", "inf_token_bucket"),
+    "charge sleeps at least a millisecond": ("self.sleep(wait)", "self.sleep(max(wait, 1e-3))", "inf_token_bucket"),
+    "charge polls the clock in small sleeps": (
+        "        self.sleep(wait)\n", "        while self.clock() < self.free_at and wait > 0:\n            self.sleep(min(wait, 1e-3))\n"
+        "            wait -= 1e-3\n", "inf_token_bucket"),
     "each transfer waits only its own bytes (no queue)": (
         "            self.free_at = max(now, self.free_at) + nbytes / self.bandwidth\n            wait = self.free_at - now\n",
         "            wait = nbytes / self.bandwidth\n", "inf_token_bucket"),
@@ -41,10 +63,18 @@ MUTANTS = {
     "the next read submitted after the write-back (no overlap)": (SUBMIT_NEXT + UPDATE_CHUNK, UPDATE_CHUNK + SUBMIT_NEXT,
                                                                    "inf_tier_adamw"),
     "on_update never called": ("                on_update(name, start, master)\n", "                pass\n", "inf_tier_adamw"),
+    "each chunk updated with the tensor's first elements of the gradient": (
+        "cpu_adam_(master, grad[start:start + numel], exp_avg", "cpu_adam_(master, grad[:numel], exp_avg", "inf_tier_adamw"),
+    "the step count passed one short (bias correction of the step before)": (
+        "exp_avg, exp_avg_sq, step, lr=lr", "exp_avg, exp_avg_sq, max(step - 1, 1), lr=lr", "inf_tier_adamw"),
+    "a prefetch's wait() ends the read but never all-gathers": ("        self.read.result()\n        self.gather()\n",
+                                                               "        self.read.result()\n", "inf_tier_schedule"),
     "the shard never dropped at release": ("        super().release(unit, phase)\n        unit.shard.untyped_storage().resize_(0)\n",
                                            "        super().release(unit, phase)\n", "inf_tier_schedule"),
-    "a prefetched shard read on the main thread": ("        if not async_op:\n            self.load(unit)\n",
-                                                   "        if True:\n            self.load(unit)\n", "inf_tier_schedule"),
+    "a prefetched shard read on the main thread": ("self.reader.submit(self.load, unit)",
+                                                   "(self.load(unit), self.reader.submit(int))[1]", "inf_tier_schedule"),
+    "a prefetch that returns no handle": ("        if not async_op:\n            self.load(unit)\n",
+                                          "        if True:\n            self.load(unit)\n", "inf_tier_schedule"),
     "the prefetch's all-gather started before its read finished": (
         "        self.read.result()\n        self.gather()\n", "        self.gather()\n        self.read.result()\n",
         "inf_tier_schedule"),
@@ -81,6 +111,25 @@ MUTANTS = {
         "inf_stream_step"),
     "the step streamed without read-ahead": ("prefetch=optimizer.read_ahead, on_update", "prefetch=0, on_update",
                                              "inf_stream_step"),
+    "rank 0 keeps and reads the whole parameter, then broadcasts it": (
+        PUT_SLICE + PARTITIONED_BETWEEN + READ_SLICE_AND_GATHER,
+        "    if rank == 0:\n        tier.write(name, tensor.detach().reshape(-1))\n" + PARTITIONED_BETWEEN +
+        "    whole = tier.read(name) if dist.get_rank(group) == 0 else torch.empty(math.prod(shape))\n"
+        "    dist.broadcast(whole, dist.get_global_rank(group, 0) if group is not None else 0, group=group)\n"
+        "    return whole.view(shape)\n", "inf_partitioned"),
+    "every rank keeps and reads the whole parameter": (
+        PUT_SLICE, "    tier.write(name, tensor.detach().reshape(-1))\n",
+        "inf_partitioned"),
+    "shards of numel // N (the remainder lost, no padding)": ("    shard = -(-tensor.numel() // world_size)\n",
+                                                              "    shard = tensor.numel() // world_size\n", "inf_partitioned"),
+    "the world's rank and size, not the group's": ("    rank, world_size = dist.get_rank(group), dist.get_world_size(group)\n",
+                                                   "    rank, world_size = dist.get_rank(), dist.get_world_size()\n",
+                                                   "inf_partitioned"),
+    "the padding never cut off": ("    return whole[:math.prod(shape)].view(shape)\n", "    return whole.view(-1, *shape[1:])\n",
+                                  "inf_partitioned"),
+    "rank r keeps every N-th element (r, r + N, ...)": (
+        PUT_SLICE, "    tier.write(name, flat[rank::world_size].clone())\n",
+        "inf_partitioned"),
     "the forward tile never freed (two alive at once)": (
         "            del flat, weight, bias  # freed before the next tile is gathered\n", "", "inf_tiled_linear"),
     "the backward tile never freed": ("            del flat, weight\n", "", "inf_tiled_linear"),
@@ -110,7 +159,7 @@ def test_typical_mistakes_fail_their_graded_cell(mutant):
 
 
 def test_hidden_tests_are_worth_points(graded):
-    assert_reference_full_and_learner_zero(graded, LESSON, 17)
+    assert_reference_full_and_learner_zero(graded, LESSON, 19)
 
 
 OPTIONS = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
@@ -134,8 +183,7 @@ def test_tier_adamw_matches_torch_adamw_and_moves_12_bytes_each_way(tmp_path, si
             tier_adamw_step(tier, names, grads, step, chunk_numel=chunk_numel, prefetch=prefetch, **OPTIONS)
             assert tier.bytes_read - read == tier.bytes_written - written == 12 * sum(sizes)
         assert tier.held_bytes == 0 and tier.peak_held_bytes <= (prefetch + 1) * 12 * chunk_numel
-        for name, p in zip(names, params):
-            # the tier's AdamW is torch's arithmetic on the same numbers in pieces: a few ulps (2^-23 = 1.2e-7) at most
+        for name, p in zip(names, params):  # the same fp32 AdamW in another order: a few roundings (2^-23 each) apart
             torch.testing.assert_close(tier.read(f"{name}.master"), p.detach(), rtol=1e-6, atol=1e-7)
             torch.testing.assert_close(tier.read(f"{name}.exp_avg_sq"), expected.state[p]["exp_avg_sq"], rtol=1e-6, atol=1e-9)
 
@@ -177,13 +225,14 @@ def test_bad_directory_and_names_get_errors_with_the_fix(tmp_path):
         TokenBucket(0)
 
 
-def test_the_throttled_tier_takes_bytes_over_bandwidth(tmp_path):
+def test_the_throttled_tier_charges_every_transfer_to_its_bucket(tmp_path):
+    """What the tier asks its bucket for, on a clock that stands still: each transfer queues behind the last."""
+    asked = []
     with NvmeTier(tmp_path, bandwidth=4e6) as tier:
-        start = time.perf_counter()
-        tier.write("w", torch.zeros(50_000))  # 0.2 MB each way
-        tier.read("w")
-        took = time.perf_counter() - start
-    assert 0.09 <= took <= 0.5, took
+        tier.bucket = TokenBucket(4e6, clock=lambda: 0.0, sleep=asked.append)
+        tier.write("w", torch.zeros(50_000))  # 0.2 MB: 0.05 s at 4 MB/s
+        tier.read("w", 10_000, 10_000)  # 40 kB: 0.01 s more
+    assert asked == pytest.approx([0.05, 0.06], rel=1e-9)
 
 
 def tiled_steps(tiles, steps):
@@ -214,6 +263,6 @@ def test_tiled_linear_trains_like_the_untiled_layer_with_one_tile_gathered(world
         for tile, shard in zip(rows, shards):
             flat = torch.cat([reference.weight[tile].reshape(-1), reference.bias[tile]]).detach()
             padded = torch.cat([flat, torch.zeros(shard.numel() * world_size - flat.numel())])
-            # the tiled layer's gradients add tile by tile, the reference's at once: another order, a few ulps per step
+            # fp32 matmuls summed in tiles and over ranks in another order than one Linear's: 3 SGD steps apart
             torch.testing.assert_close(shard, padded.view(world_size, -1)[rank], atol=1e-5, rtol=1e-4)
         assert peak == 4 * world_size * max(-(-len(tile) * 7 // world_size) for tile in rows)  # one tile, padded

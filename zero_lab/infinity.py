@@ -8,12 +8,15 @@ tier_adamw_step   AdamW over master, exp_avg, exp_avg_sq kept on the tier, strea
                   the next chunks' reads running while the current chunk is updated (§5.2)
 Zero3Infinity     stage 3 with its shards and those states on the tier: prepare(..., stage=3, offload="nvme");
                   stream_step is its step, every trainable piece streamed through tier_adamw_step
+put_partitioned, read_partitioned   bandwidth-centric partitioning (§6.1): every rank reads its own slice
+                  of a parameter from its own tier, then one all-gather assembles the whole
 TiledLinear       memory-centric tiling (§5.1.3): a Linear sharded tile by tile over the ranks, stage-3 style;
                   TiledLinearFunction runs it with one gathered tile alive at a time (LiveBytes counts them)
 No real SSD is timed: the OS page cache would hide its speed; the bucket's bandwidth is the model.
 """
 import ctypes
 import errno
+import math
 import os
 import shutil
 import tempfile
@@ -37,22 +40,24 @@ from zero_lab.zero3 import UnitSchedule, Zero3Optimizer
 
 
 class TokenBucket:
-    """Transfers at `bandwidth` bytes/s, one after another, from any thread: charge() waits for each."""
+    """Transfers at `bandwidth` bytes/s, one after another, from any thread: charge() waits for each.
 
-    def __init__(self, bandwidth: float):
+    clock() is now in seconds and sleep(seconds) waits: a test passes its own to see what the bucket asks for."""
+
+    def __init__(self, bandwidth: float, clock=time.perf_counter, sleep=time.sleep):
         if not bandwidth > 0:
             raise ValueError(f"bandwidth must be a positive number of bytes/s, got {bandwidth!r}; pass None for no throttle")
-        self.bandwidth = float(bandwidth)
-        self.free_at = time.perf_counter()  # when the device has finished every transfer charged so far
+        self.bandwidth, self.clock, self.sleep = float(bandwidth), clock, sleep
+        self.free_at = clock()  # when the device has finished every transfer charged so far
         self.lock = threading.Lock()
 
     def charge(self, nbytes: int) -> float:
         """Queue a transfer of nbytes, sleep until it has finished; return the seconds slept."""
         with self.lock:
-            now = time.perf_counter()
+            now = self.clock()
             self.free_at = max(now, self.free_at) + nbytes / self.bandwidth
             wait = self.free_at - now
-        time.sleep(wait)
+        self.sleep(wait)
         return wait
 
 
@@ -483,6 +488,23 @@ def stream_step(optimizer: "Zero3Infinity", grads: dict) -> None:
         tier_adamw_step(optimizer.tier, names, piece_grads, step, lr=group["lr"], betas=group["betas"],
                         eps=group["eps"], weight_decay=group["weight_decay"], chunk_numel=optimizer.chunk_numel,
                         prefetch=optimizer.read_ahead, on_update=refresh)
+
+
+def put_partitioned(tier: NvmeTier, name: str, tensor: torch.Tensor, group=None) -> None:
+    """This rank's 1/N slice of `tensor` (flat, zero-padded to N * ceil(numel / N)) onto its own tier as `name`."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    shard = -(-tensor.numel() // world_size)
+    flat = torch.zeros(shard * world_size)
+    flat[:tensor.numel()] = tensor.detach().reshape(-1)
+    tier.write(name, flat[rank * shard:(rank + 1) * shard])
+
+
+def read_partitioned(tier: NvmeTier, name: str, shape, group=None) -> torch.Tensor:
+    """The whole parameter of `shape`: this rank reads only its slice from its own tier, then one all-gather."""
+    shard = tier.read(name)
+    whole = torch.empty(dist.get_world_size(group) * shard.numel())
+    dist.all_gather_single(whole, shard, group=group)
+    return whole[:math.prod(shape)].view(shape)
 
 
 class LiveBytes:

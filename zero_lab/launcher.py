@@ -190,7 +190,7 @@ def _rank_main(fn, args, kwargs, rank, world_size, store_file, conn, stack_file,
                          init_method=f"file://{store_file}", device=device)
         message = ("ok", _on_host(fn(*args, **kwargs)))
     except BaseException:
-        message = ("error", traceback.format_exc())
+        message = ("error", _cells_named(traceback.format_exc()))
     try:
         # Plain pickle: torch's multiprocessing pickler would pass tensors as shared-memory
         # handles, which die with this process.
@@ -203,6 +203,16 @@ def _rank_main(fn, args, kwargs, rank, world_size, store_file, conn, stack_file,
     # break its peers' connections and turn their honest hang into a misleading error.
     while True:
         signal.pause()
+
+
+def _cells_named(text: str) -> str:
+    """A traceback whose notebook cells (IPython's files, ".../ipykernel_PID/N.py") are named as IPython names
+    them, "Cell In[7]": the learner finds the cell and the line of their code that raised."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython else None
+    cells = getattr(getattr(shell, "compile", None), "_filename_map", None) or {}  # file -> execution count
+    return re.sub(r'File "([^"]+)"', lambda m: f'File "Cell In[{cells[m.group(1)]}]"' if m.group(1) in cells
+                  else m.group(0), text)
 
 
 def _on_host(result):

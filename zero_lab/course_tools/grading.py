@@ -41,6 +41,10 @@ AUTOGRADE_TIMEOUT = 3600
 KERNEL_DEATHS = 3  # re-grades after a cell killed the kernel, per notebook
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 FRAME = re.compile(r'File "[^"]*", line \d+, in (\S+)')
+# A frame of a notebook cell: in a rank's traceback (Python's format, the cell named by the launcher or by its
+# IPython file), and in IPython's own (its source line marked with an arrow).
+RANK_CELL_FRAME = re.compile(r'File "(?:Cell In\[\d+\]|[^"]*ipykernel_\d+/[^"]+)", line (\d+), in (\S+)\n(?:[ \t]+(\S[^\n]*))?')
+CELL_FRAME = re.compile(r"Cell In\[\d+\], line (\d+), in ([\w.<>]+)[^\n]*\n(?:.*\n)*?-+> *\d+ ?(.*)")
 
 
 class GradingError(Exception):
@@ -83,6 +87,15 @@ def first_line(text: str) -> str:
     return lines[0] if lines else ""
 
 
+def where_in_notebook(text: str) -> str:
+    """The innermost notebook frame of a traceback, as ' (in FUNCTION, line N of its cell: `SOURCE`)', or ''."""
+    frames = RANK_CELL_FRAME.findall(text) or CELL_FRAME.findall(text)
+    if not frames:
+        return ""
+    line, function, source = frames[-1]
+    return f" (in {function}, line {line} of its cell" + (f": `{source.strip()}`)" if source.strip() else ")")
+
+
 def reason(error: dict | None, earned: float, possible: float) -> str:
     """One line saying why a test cell lost points, from its error output."""
     if earned >= possible:
@@ -105,7 +118,7 @@ def reason(error: dict | None, earned: float, possible: float) -> str:
         if last.startswith("NotImplementedError"):
             function = (FRAME.findall(value) or [""])[-1]
             return f"not attempted: {function}() raises NotImplementedError ({header})"
-        return f"{header}: {last}"
+        return f"{header}: {last}{where_in_notebook(value)}"
     if name == "RanksHung":
         lines = [line.strip().rstrip(":") for line in value.split("\n\n", 1)[0].splitlines()]
         return "deadlock: " + "; ".join(lines[:4]) + ("; ..." if len(lines) > 4 else "")
@@ -113,7 +126,8 @@ def reason(error: dict | None, earned: float, possible: float) -> str:
         return "timed out: the cell did not finish within nbgrader's cell timeout"
     if name == "AssertionError":
         return f"AssertionError: {first_line(value)}" if first_line(value) else "AssertionError (a check failed)"
-    return f"{name}: {first_line(value)}"
+    traceback = ANSI.sub("", "\n".join(error.get("traceback", [])))
+    return f"{name}: {first_line(value)}{where_in_notebook(traceback)}"
 
 
 def drop_demo_cells(notebook: Path) -> None:
