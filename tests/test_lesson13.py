@@ -4,7 +4,7 @@ cannot count, and the typical wrong answers lose their points."""
 
 import pytest
 
-from graded_cells import assert_mutant_fails, assert_reference_full_and_learner_zero
+from graded_cells import assert_mutant_fails, assert_reference_full_and_learner_zero, graded_cell_with
 import zero_lab
 from zero_lab.memory import GB, model_states_per_device, paper_round
 from zero_lab.memory_drop import dominant_cause, gpt_config, measure_runs, one_unit, peak_parts, tracked_step, tracker_vs_ledger
@@ -138,7 +138,7 @@ def test_memtracker_agrees_with_the_ledger_where_both_count_the_same_tensors(sta
     result = zero_lab.launch(_tracked, 1, stage, timeout=60)[0]
     rows = {name: (mine, theirs) for name, mine, theirs, _ in tracker_vs_ledger(result["tracker"], result["ledger"])}
     mine, theirs = rows["total"]
-    assert 0 <= theirs - mine <= 8 * 2**10 + 2**12, rows  # the causal mask, the loss, AdamW's step counters
+    assert 0 <= theirs - mine <= 8 * 2**10 + 2**12, rows  # the causal mask, the int64 token/target batch, AdamW's step counters
     if stage == 0:
         assert rows["parameters"][0] == rows["parameters"][1] and rows["gradients"][0] == rows["gradients"][1], rows
     else:  # stage 3's flat bf16 shards are no module's parameters: MemTracker does not call them parameters
@@ -180,6 +180,11 @@ def test_fsdp2_per_block_shards_as_our_stage_3_does_but_for_adamw_s_step_counter
 MUTANTS = {  # name: (text of the reference, the mistake, the graded cell that must fail)
     "no padding": ("    whole = shard * n  # the padded buffers", "    whole = sum(buffers)", "predicted_bytes"),
     "stage 2 keeps whole gradients": ('({"gradients"} if stage >= 2 else set())', "set()", "predicted_bytes"),
+    "stage 1 with offload leaves out the whole bf16 gradient": ('4 * shard + (counted["gradients"] if stage == 1 else 0)',
+                                                                 "4 * shard", "predicted_bytes"),
+    "offload's device bytes are all of them": (
+        'device = model_state_bytes(model, optimizer, placement="device").total if offload else report.total',
+        "device = report.total", "count_step"),
     "stage 3 moments on the padding too": ('counted["optimizer_states"] = BYTES_PER_ELEMENT["optimizer_states"] * real',
                                             'counted["optimizer_states"] = BYTES_PER_ELEMENT["optimizer_states"] * shard',
                                             "predicted_bytes"),
@@ -187,6 +192,8 @@ MUTANTS = {  # name: (text of the reference, the mistake, the graded cell that m
     "activations left out": ('activations=figures["activations"],', "activations=0,", "measure_step"),
     "stage 2 keeps whole gradients in the peak": ("gradients = 2 * psi / (n if stage >= 2 else 1)",
                                                   "gradients = 2 * psi / (n if stage >= 3 else 1)", "peak_parts"),
+    "stage 0 divides the optimizer states by N": ("optimizer = 12 * psi / (n if stage >= 1 else 1)",
+                                                  "optimizer = 12 * psi / n", "peak_parts"),
     "a gathered unit as its shard": ("2 * max(units) if stage == 3", "2 * max(units) / n if stage == 3", "peak_parts"),
     "the largest residual part always dominates": ('return cause if others[cause] > parts["model states"] else "model states"',
                                                    "return cause", "peak_parts"),
@@ -208,6 +215,12 @@ MUTANTS = {  # name: (text of the reference, the mistake, the graded cell that m
 @pytest.mark.parametrize("mutant", MUTANTS)
 def test_typical_mistakes_fail_their_graded_cell(mutant):
     assert_mutant_fails(LESSON, *MUTANTS[mutant])
+
+
+def test_a_wrong_predicted_bytes_is_named_when_count_step_is_graded():
+    namespace, source = graded_cell_with(LESSON, "count_step", '({"gradients"} if stage >= 2 else set())', "set()")
+    with pytest.raises(AssertionError, match=r"predicted_bytes \(exercise 1\) gives .* exercise 1 is wrong here"):
+        exec(compile(source, "count_step", "exec"), namespace)
 
 
 def test_hidden_tests_are_worth_points(graded):

@@ -21,6 +21,7 @@ import math
 import multiprocessing
 import os
 import resource
+import time
 import warnings
 from dataclasses import dataclass, field
 
@@ -31,6 +32,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # private: to
 
 from zero_lab import comm_ledger
 from zero_lab.comm_ledger import CommLedger
+from zero_lab.launcher import STALL_CPU_SHARE, STALL_WINDOW, _cpu_seconds  # launch's hang guard
 from zero_lab.memory_ledger import CATEGORIES, model_state_bytes
 from zero_lab.prepare import prepare
 
@@ -133,16 +135,15 @@ def _in_child(conn, runs):
         if dist.is_initialized():
             dist.destroy_process_group()
         comm_ledger.register()
-        results = []
         for n, rank, fn, args in runs:
             dist.init_process_group(comm_ledger.BACKEND, store=FakeStore(), rank=rank, world_size=n)
             exact = _reset_peak_rss()
             before = _rss_bytes("VmRSS")
             with FakeTensorMode():
                 value = fn(*args)
-            results.append((value, _rss_bytes("VmHWM" if exact else "VmRSS") - before))  # plain data: it crosses a pipe
             dist.destroy_process_group()
-        conn.send(("ok", results))
+            # each run's result as it ends (plain data: it crosses a pipe), so the parent sees progress
+            conn.send(("ok", (value, _rss_bytes("VmHWM" if exact else "VmRSS") - before)))
     except BaseException as error:  # noqa: BLE001 (sent to the parent, raised there)
         conn.send(("error", error if _picklable(error) else RuntimeError(repr(error))))
     finally:
@@ -163,20 +164,52 @@ def in_fake_world(runs, timeout: float = 120.0) -> list[FakeWorldResult]:
     """For each (n, rank, fn, args) of `runs`: fn(*args) as rank `rank` of an `n`-rank world, all in one forked
     child process. Its default process group is the counted backend over torch's fake process group
     (collectives return at once, the comm ledger charges them), and every tensor fn makes is a FakeTensor.
-    The parent's own process groups are never touched."""
+    The parent's own process groups are never touched.
+
+    `timeout` guards against a hang, as zero_lab.launch's does, and never against a slow or busy machine: the
+    child is stopped with a TimeoutError only when one run has used `timeout` CPU-seconds itself (a runaway
+    loop) or the child has used no CPU for `timeout` seconds (blocked)."""
+    runs = list(runs)
     context = multiprocessing.get_context("fork")
     receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_in_child, args=(send, list(runs)), daemon=True)
+    child = context.Process(target=_in_child, args=(send, runs), daemon=True)
     child.start()
     send.close()
-    if not receive.poll(timeout):
-        child.kill()
-        raise TimeoutError(f"{len(runs)} counts in a fake world took longer than {timeout} s")
-    status, value = receive.recv()
+    results = []
+    while len(results) < len(runs):
+        status, value = _next_result(child, receive, f"run {len(results) + 1} of {len(runs)}", timeout)
+        if status == "error":
+            child.join()
+            raise value
+        results.append(FakeWorldResult(*value))
     child.join()
-    if status == "error":
-        raise value
-    return [FakeWorldResult(result, grown) for result, grown in value]
+    return results
+
+
+def _next_result(child, receive, which: str, timeout: float):
+    """The child's next message, waiting as long as it makes progress (see in_fake_world's timeout)."""
+    start = last = _cpu_seconds(child.pid) or 0.0
+    idle_since = sampled = time.monotonic()
+    while not receive.poll(STALL_WINDOW):
+        cpu, now = _cpu_seconds(child.pid), time.monotonic()
+        if cpu is None:  # the child is gone: recv below says so
+            break
+        if cpu - last > STALL_CPU_SHARE * (now - sampled):
+            idle_since = now
+        last, sampled = cpu, now
+        if cpu - start >= timeout or now - idle_since >= timeout:
+            child.kill()
+            child.join()
+            why = (f"used {cpu - start:.0f} CPU-seconds (a runaway loop)" if cpu - start >= timeout
+                   else f"used no CPU for {now - idle_since:.0f} s (blocked)")
+            raise TimeoutError(f"timeout, a guard against a hang: {which} in the fake world {why}; timeout = {timeout:g} "
+                               f"(a busy machine only makes a run slower; the child process was stopped)")
+    try:
+        return receive.recv()
+    except EOFError:
+        child.join()
+        raise RuntimeError(f"the fake world's child process died during {which} (exit code {child.exitcode}), "
+                           f"without a Python error: out of memory?") from None
 
 
 def predicted_bytes(numels: list[int], n: int, rank: int, stage: int, offload: bool = False) -> dict[str, int]:
@@ -188,7 +221,8 @@ def predicted_bytes(numels: list[int], n: int, rank: int, stage: int, offload: b
     rank. A rank holds the whole padded buffer of what its stage keeps whole, one shard of what it partitions.
     One exception: stage 3 keeps AdamW's moments per parameter slice, so only the real elements of the shard
     have them (the last ranks, whose shards end in padding, hold fewer). With offload (stages 1-2,
-    ZeRO-Offload) the gradient shard is fp32 on the host (4 bytes per element).
+    ZeRO-Offload) the gradient shard is fp32 on the host (4 bytes per element); stage 1 keeps its whole bf16
+    gradient on the device besides it (it reduce-scatters the whole gradient in step()), stage 2 does not.
     """
     buffers = [sum(numels)] if stage in (1, 2) else list(numels)
     shard = sum(-(-m // n) for m in buffers)
@@ -201,8 +235,8 @@ def predicted_bytes(numels: list[int], n: int, rank: int, stage: int, offload: b
     if stage == 3:  # moments for the real elements of this rank's shard of each unit
         real = sum(max(0, min((rank + 1) * -(-m // n), m) - rank * -(-m // n)) for m in buffers)
         counted["optimizer_states"] = BYTES_PER_ELEMENT["optimizer_states"] * real
-    if offload:
-        counted["gradients"] = 4 * shard
+    if offload:  # the fp32 shard on the host; stage 1's whole bf16 gradient (counted above) stays on the device
+        counted["gradients"] = 4 * shard + (counted["gradients"] if stage == 1 else 0)
     return counted
 
 
