@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from graded_cells import assert_mutant_fails, assert_reference_full_and_learner_zero
+from graded_cells import assert_mutant_fails, assert_reference_full_and_learner_zero, graded_cell_with
 from zero_lab import launch
 from zero_lab.comm_ledger import CommLedger
 from zero_lab.zero_r import (ContiguousBuffer, FirstFitAllocator, TensorParallelMLP, bucketed_all_reduce, bytes_during,
@@ -210,6 +210,11 @@ MUTANTS = {
     "bucket all-reduced over the whole world, not the group": (
         "        dist.all_reduce(bucket[:fill], group=group)\n", "        dist.all_reduce(bucket[:fill])\n",
         "zero_r_bucketed"),
+    "fused all-reduced over the whole world, not the group": (
+        "    dist.all_reduce(fused, group=group)\n    fused /= dist.get_world_size(group)\n",
+        "    dist.all_reduce(fused)\n    fused /= dist.get_world_size()\n", "zero_r_bucketed"),
+    "an fp32 bucket whatever the gradients' dtype": ("    bucket = grads[0].new_empty(bucket_numel)\n",
+                                                     "    bucket = torch.empty(bucket_numel)\n", "zero_r_bucketed"),
     "the last, partly filled bucket never reduced": ("    if fill:\n        flush()\n", "", "zero_r_bucketed"),
     "bucket: sums, not averages": ("        bucket[:fill] /= dist.get_world_size(group)\n", "", "zero_r_bucketed"),
     "one all-reduce per piece (no fusing)": ("            if fill == bucket_numel:\n", "            if True:\n",
@@ -238,6 +243,10 @@ MUTANTS = {
                              "zero_r_contiguous_buffer"),
     "reset does not rewind": ("        self.used = 0\n        ### END SOLUTION\n\n    def address",
                               "        pass\n        ### END SOLUTION\n\n    def address", "zero_r_contiguous_buffer"),
+    "reset allocates a fresh buffer every step": (
+        "        self.used = 0\n        ### END SOLUTION\n\n    def address",
+        "        self.flat = torch.empty_like(self.flat)\n        self.used = 0\n        ### END SOLUTION\n\n    def address",
+        "zero_r_contiguous_buffer"),
     "each gradient kept again at every accumulation": (
         "        if param.grad.untyped_storage().data_ptr() != buffer.flat.untyped_storage().data_ptr():\n"
         "            param.grad = buffer.keep(param.grad)\n",
@@ -250,6 +259,25 @@ MUTANTS = {
 @pytest.mark.parametrize("mutant", MUTANTS)
 def test_typical_mistakes_fail_their_graded_cell(mutant):
     assert_mutant_fails(LESSON, *MUTANTS[mutant])
+
+
+REVERSED_SLICES = ("    return padded[rank * per_rank:(rank + 1) * per_rank].clone()\n",
+                   "    return padded[(world_size - 1 - rank) * per_rank:(world_size - rank) * per_rank].clone()\n")
+
+
+def test_exercise_2_names_exercise_1_when_exercise_1_is_wrong():
+    assert_mutant_fails(LESSON, *REVERSED_SLICES, "zero_r_checkpoint")
+    namespace, source = graded_cell_with(LESSON, "zero_r_checkpoint", *REVERSED_SLICES)
+    with pytest.raises(AssertionError, match=r"exercise 1\) do not give the input back"):
+        exec(compile(source, "zero_r_checkpoint", "exec"), namespace)
+
+
+def test_a_test_reports_every_failed_check_not_only_the_first():
+    namespace, source = graded_cell_with(LESSON, "zero_r_bucketed", "        bucket[:fill] /= dist.get_world_size(group)\n", "")
+    with pytest.raises(AssertionError) as failed:
+        exec(compile(source, "zero_r_bucketed", "exec"), namespace)
+    message = str(failed.value)
+    assert "rank 0 " in message and "rank 1 " in message and message.count("\n- ") > 2, message
 
 
 def test_hidden_tests_are_worth_points(graded):
