@@ -178,6 +178,16 @@ def test_fsdp2_per_block_shards_as_our_stage_3_does_but_for_adamw_s_step_counter
 
 
 MUTANTS = {  # name: (text of the reference, the mistake, the graded cell that must fail)
+    "real tensors, not FakeTensors": ("        with FakeTensorMode():\n            return fn(*args)\n",
+                                      "        return fn(*args)\n", "as_fake_rank"),
+    "every run as rank 0": ("store=FakeStore(), rank=rank, world_size=n)", "store=FakeStore(), rank=0, world_size=n)",
+                            "as_fake_rank"),
+    "the group kept after fn": ("    finally:\n        dist.destroy_process_group()\n", "    finally:\n        pass\n",
+                                "as_fake_rank"),
+    "the group destroyed only when fn succeeds": (
+        "    try:\n        with FakeTensorMode():\n            return fn(*args)\n    finally:\n        dist.destroy_process_group()\n",
+        "    with FakeTensorMode():\n        value = fn(*args)\n    dist.destroy_process_group()\n    return value\n",
+        "as_fake_rank"),
     "no padding": ("    whole = shard * n  # the padded buffers", "    whole = sum(buffers)", "predicted_bytes"),
     "stage 2 keeps whole gradients": ('({"gradients"} if stage >= 2 else set())', "set()", "predicted_bytes"),
     "stage 1 with offload leaves out the whole bf16 gradient": ('4 * shard + (counted["gradients"] if stage == 1 else 0)',
@@ -224,4 +234,4 @@ def test_a_wrong_predicted_bytes_is_named_when_count_step_is_graded():
 
 
 def test_hidden_tests_are_worth_points(graded):
-    assert_reference_full_and_learner_zero(graded, LESSON, 19)
+    assert_reference_full_and_learner_zero(graded, LESSON, 21)

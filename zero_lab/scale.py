@@ -4,6 +4,8 @@
 
 BigLinears           psi parameters as a few huge bias-free Linear layers; its units' element counts
 check_countable      what the counting can do: an error that names the limit for anything else
+as_fake_rank         fn(*args) in this process as rank r of an n-rank world that costs nothing: the fake process group,
+                     FakeTensorMode
 in_fake_world        run fn(*args) as rank r of n, for a list of (n, r, fn, args), in one child process: torch's fake process group under
                      the counted backend, tensors made in FakeTensorMode (shapes, no bytes)
 predicted_bytes      what the memory ledger will count on a rank, by category, padding included
@@ -136,12 +138,9 @@ def _in_child(conn, runs):
             dist.destroy_process_group()
         comm_ledger.register()
         for n, rank, fn, args in runs:
-            dist.init_process_group(comm_ledger.BACKEND, store=FakeStore(), rank=rank, world_size=n)
             exact = _reset_peak_rss()
             before = _rss_bytes("VmRSS")
-            with FakeTensorMode():
-                value = fn(*args)
-            dist.destroy_process_group()
+            value = as_fake_rank(n, rank, fn, args)
             # each run's result as it ends (plain data: it crosses a pipe), so the parent sees progress
             conn.send(("ok", (value, _rss_bytes("VmHWM" if exact else "VmRSS") - before)))
     except BaseException as error:  # noqa: BLE001 (sent to the parent, raised there)
@@ -210,6 +209,18 @@ def _next_result(child, receive, which: str, timeout: float):
         child.join()
         raise RuntimeError(f"the fake world's child process died during {which} (exit code {child.exitcode}), "
                            f"without a Python error: out of memory?") from None
+
+
+def as_fake_rank(n: int, rank: int, fn, args=()):
+    """fn(*args) as rank `rank` of an `n`-rank world in this process: the counted backend over a FakeStore
+    (torch's fake process group: collectives return at once, the ledger charges them), every tensor a
+    FakeTensor; no default process group afterwards, however fn ends. Returns fn's value."""
+    dist.init_process_group(comm_ledger.BACKEND, store=FakeStore(), rank=rank, world_size=n)
+    try:
+        with FakeTensorMode():
+            return fn(*args)
+    finally:
+        dist.destroy_process_group()
 
 
 def predicted_bytes(numels: list[int], n: int, rank: int, stage: int, offload: bool = False) -> dict[str, int]:
