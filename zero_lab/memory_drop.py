@@ -78,14 +78,8 @@ PARTS = ("model states", "activations", "gathered units", "gradient buckets", "f
 
 def peak_parts(psi: int, n: int, stage: int, units: list[int], activations: int, fixed: int = 0,
                bucket_numel: int = 2**20) -> dict:
-    """Predicted bytes at a rank's step peak, by PARTS, with mixed-precision AdamW (K = 12):
-    model states   2 bytes of bf16 parameters, 2 of gradients, 12 of fp32 masters and moments per parameter;
-                   stage >= 1 partitions the 12, stage >= 2 the gradients too, stage 3 the parameters too (/ n)
-    activations    as given (bytes saved for backward)
-    gathered units stage 3: the largest unit (units: element counts) gathered whole in bf16, else 0
-    gradient buckets  stage 2: one bucket of min(bucket_numel, psi) bf16 gradients being reduced, else 0
-    fixed overheads   as given (libraries, runtime, communicator buffers)
-    Divisions are exact (a Fraction or float is fine)."""
+    """Predicted bytes at a rank's step peak, by PARTS (Exercise 5's contract above). Divisions are exact: a
+    Fraction or a float is fine."""
     parameters = 2 * psi / (n if stage >= 3 else 1)
     gradients = 2 * psi / (n if stage >= 2 else 1)
     optimizer = 12 * psi / (n if stage >= 1 else 1)
