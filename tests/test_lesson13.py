@@ -2,14 +2,19 @@
 FakeTensorMode equals the formulas up to padding, sends 2Ψ / 3Ψ, costs little real memory, refuses what it
 cannot count, and the typical wrong answers lose their points."""
 
+import time
+from fractions import Fraction
+
+import nbformat
 import pytest
 
-from graded_cells import assert_mutant_fails, assert_reference_full_and_learner_zero, graded_cell_with
+from graded_cells import REPO, assert_mutant_fails, assert_reference_full_and_learner_zero, graded_cell_with
 import zero_lab
 from zero_lab.memory import GB, model_states_per_device, paper_round
 from zero_lab.memory_drop import dominant_cause, gpt_config, measure_runs, one_unit, peak_parts, tracked_step, tracker_vs_ledger
 from zero_lab.models import GPT
-from zero_lab.scale import (PAPER_ND, PAPER_PSI, PAPER_TABLE1, PAPER_TABLE2, check_countable, count_rank, count_ranks,
+from zero_lab.unfinished import needs_exercises
+from zero_lab.scale import (PAPER_ND, PAPER_PSI, PAPER_TABLE1, PAPER_TABLE2, check_countable, count_rank, count_ranks, in_fake_world,
                             largest_model, predicted_bytes, unit_numels)
 
 LESSON = "13_scale"
@@ -180,6 +185,8 @@ def test_fsdp2_per_block_shards_as_our_stage_3_does_but_for_adamw_s_step_counter
 MUTANTS = {  # name: (text of the reference, the mistake, the graded cell that must fail)
     "real tensors, not FakeTensors": ("        with FakeTensorMode():\n            return fn(*args)\n",
                                       "        return fn(*args)\n", "as_fake_rank"),
+    "torch's own fake backend, which no CommLedger charges": ("comm_ledger.BACKEND, store=FakeStore(), rank=rank",
+                                                              '"fake", store=FakeStore(), rank=rank', "as_fake_rank"),
     "every run as rank 0": ("store=FakeStore(), rank=rank, world_size=n)", "store=FakeStore(), rank=0, world_size=n)",
                             "as_fake_rank"),
     "the group kept after fn": ("    finally:\n        dist.destroy_process_group()\n", "    finally:\n        pass\n",
@@ -204,6 +211,14 @@ MUTANTS = {  # name: (text of the reference, the mistake, the graded cell that m
                                                   "gradients = 2 * psi / (n if stage >= 3 else 1)", "peak_parts"),
     "stage 0 divides the optimizer states by N": ("optimizer = 12 * psi / (n if stage >= 1 else 1)",
                                                   "optimizer = 12 * psi / n", "peak_parts"),
+    "stage 1 divides the gradients too": ("gradients = 2 * psi / (n if stage >= 2 else 1)",
+                                          "gradients = 2 * psi / (n if stage >= 1 else 1)", "peak_parts"),
+    "a bucket larger than the model": ("2 * min(bucket_numel, psi) if stage == 2", "2 * bucket_numel if stage == 2",
+                                       "peak_parts"),
+    "a tie goes to the other part": ('return cause if others[cause] > parts["model states"]',
+                                     'return cause if others[cause] >= parts["model states"]', "peak_parts"),
+    "shards of floor(m / n)": ("    shard = sum(-(-m // n) for m in buffers)\n", "    shard = sum(m // n for m in buffers)\n",
+                               "predicted_bytes"),
     "a gathered unit as its shard": ("2 * max(units) if stage == 3", "2 * max(units) / n if stage == 3", "peak_parts"),
     "the largest residual part always dominates": ('return cause if others[cause] > parts["model states"] else "model states"',
                                                    "return cause", "peak_parts"),
@@ -231,6 +246,39 @@ def test_a_wrong_predicted_bytes_is_named_when_count_step_is_graded():
     namespace, source = graded_cell_with(LESSON, "count_step", '({"gradients"} if stage >= 2 else set())', "set()")
     with pytest.raises(AssertionError, match=r"predicted_bytes \(exercise 1\) gives .* exercise 1 is wrong here"):
         exec(compile(source, "count_step", "exec"), namespace)
+
+
+def _blocked():
+    time.sleep(600)
+
+
+def _busy(seconds):
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+    return "done"
+
+
+def test_the_fake_world_s_timeout_guards_against_a_hang_not_a_slow_machine():
+    # working for longer than `timeout` in wall time (a busy machine) is no hang: only CPU-seconds of one run count
+    start = time.monotonic()
+    assert [run.value for run in in_fake_world([(2, rank, _busy, (0.8,)) for rank in (0, 1, 0)], timeout=2)] == ["done"] * 3
+    assert time.monotonic() - start > 2  # three runs of 0.8 CPU-seconds each: more than the timeout in all
+    with pytest.raises(TimeoutError, match=r"timeout, a guard against a hang: run 1 of 1 .* used no CPU for \d+ s \(blocked\)"):
+        in_fake_world([(2, 0, _blocked, ())], timeout=3)
+    with pytest.raises(TimeoutError, match=r"timeout, a guard against a hang: run 1 of 1 .* CPU-seconds \(a runaway loop\)"):
+        in_fake_world([(2, 0, _busy, (600,))], timeout=3)
+
+
+def test_the_demos_print_a_peak_parts_of_fractions():
+    """peak_parts may return Fractions (its contract): the cells that print it format them on Python 3.10-3.13."""
+    def fractions(*args, **kwargs):
+        return {name: Fraction(value) for name, value in peak_parts(*args, **kwargs).items()}
+    cells = [c.source for c in nbformat.read(REPO / "solutions" / LESSON / f"{LESSON}.ipynb", as_version=4).cells
+             if c.cell_type == "code" and "peak_parts(" in c.source and not c.source.startswith("#|")]
+    assert cells
+    for source in cells:
+        exec(source, dict(peak_parts=fractions, dominant_cause=dominant_cause, needs_exercises=needs_exercises))
 
 
 def test_hidden_tests_are_worth_points(graded):

@@ -202,6 +202,14 @@ MUTANTS = {
         "        return grads[0], None, None, None\n", "zero_r_checkpoint"),
     "recomputed without enable_grad": ("        with torch.enable_grad():\n            out = ctx.block(x)\n",
                                        "        out = ctx.block(x)\n", "zero_r_checkpoint"),
+    "slices of floor(numel / Nm)": ("    per_rank = -(-x.numel() // world_size)\n", "    per_rank = x.numel() // world_size\n",
+                                    "zero_r_partition_gather"),
+    "backward hands back the output's gradient as the input's": ("        return x.grad, None, None, None\n",
+                                                                 "        return grad_out, None, None, None\n",
+                                                                 "zero_r_checkpoint"),
+    "a frozen parameter's missing gradient not skipped in the bucket": (
+        "    grads = [p.grad.view(-1) for p in params if p.grad is not None]\n",
+        "    grads = [p.grad.view(-1) for p in params]\n", "zero_r_bucketed"),
     "fused: sums, not averages": ("    fused /= dist.get_world_size(group)\n", "", "zero_r_bucketed"),
     "fused: one all-reduce per gradient (nothing fused)": (
         "    dist.all_reduce(fused, group=group)\n    fused /= dist.get_world_size(group)\n",
@@ -241,6 +249,11 @@ MUTANTS = {
         "            self.start = allocator.holes[0][0]\n", "zero_r_contiguous_buffer"),
     "overflow not checked": ("        if self.used + tensor.numel() > self.flat.numel():\n", "        if False:\n",
                              "zero_r_contiguous_buffer"),
+    "the buffer always fp32, whatever dtype is asked": ("        self.flat = torch.empty(numel, dtype=dtype)\n",
+                                                         "        self.flat = torch.empty(numel)\n", "zero_r_contiguous_buffer"),
+    "a buffer filled exactly refused (off by one)": ("        if self.used + tensor.numel() > self.flat.numel():\n",
+                                                     "        if self.used + tensor.numel() >= self.flat.numel():\n",
+                                                     "zero_r_contiguous_buffer"),
     "reset does not rewind": ("        self.used = 0\n        ### END SOLUTION\n\n    def address",
                               "        pass\n        ### END SOLUTION\n\n    def address", "zero_r_contiguous_buffer"),
     "reset allocates a fresh buffer every step": (
