@@ -44,3 +44,7 @@ if sys.argv[1:2] == ["autograde"]:
     from zero_lab.course_tools import sandbox
 
     sandbox.confine(root)
+    if os.name == "posix":  # kernels on Unix sockets: no port for a rank to take first (sandbox.py)
+        c.KernelManager.transport = "ipc"
+        # An absolute path: the kernel runs in the notebook's folder, nbgrader in the course's.
+        c.KernelManager.ip = os.path.join(os.environ["JUPYTER_RUNTIME_DIR"], "kernel")

@@ -54,8 +54,10 @@ def answered(nb, grade_id, code):
 
 WITNESS = """\
 import json, os, subprocess
+from ipykernel.connect import get_connection_file
 child = subprocess.Popen(["sleep", "600"], start_new_session=True)  # escapes the process group
-json.dump({{"cwd": os.getcwd(), "home": os.environ["HOME"], "tmp": os.environ["TMPDIR"], "child": child.pid}},
+json.dump({{"cwd": os.getcwd(), "home": os.environ["HOME"], "tmp": os.environ["TMPDIR"], "child": child.pid,
+           "connection": json.load(open(get_connection_file()))}},
           open({path!r}, "w"))"""
 
 
@@ -137,6 +139,9 @@ def test_learner_code_runs_in_its_folder_with_scratch_home_and_leaves_no_process
         assert Path(scratch).is_relative_to(Path(witness["cwd"]).parents[2]), scratch  # inside the grading course
         assert not Path(scratch).exists()  # removed after grading
     assert witness["home"] != os.environ.get("HOME")
+    # The kernel listens on Unix sockets, so no rank's gloo socket can take its port first.
+    connection = witness["connection"]
+    assert connection["transport"] == "ipc" and not Path(connection["ip"]).parent.exists(), connection
     with pytest.raises(ProcessLookupError):
         os.kill(witness["child"], 0)
 

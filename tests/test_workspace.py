@@ -9,6 +9,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from jupyter_client import KernelManager
 from nbclient import NotebookClient
 
 from zero_lab.course_tools import build, implementation, notebook, workspace
@@ -127,11 +128,13 @@ def test_unfinished_exercise_in_one_line():
     assert notebook.one_line(RankFailed(1, 3, "ValueError: no")) is None
 
 
-def test_learner_edition_runs_to_the_end_with_one_line_per_unfinished_exercise(built_repo):
+def test_learner_edition_runs_to_the_end_with_one_line_per_unfinished_exercise(built_repo, tmp_path):
     nb = build.read_notebook(built_repo / COURSE)
     assert nb.metadata.kernelspec.name == "python3" and nb.metadata.language_info.name == "python"
+    # Unix sockets: a TCP port the kernel was handed can be taken by a grading run's ranks first (sandbox.py).
+    kernel = KernelManager(kernel_name="python3", transport="ipc", ip=str(tmp_path / "kernel"))
     # nbclient, like JupyterLab's Run All, goes on past an error only in cells tagged raises-exception.
-    NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(built_repo / "course" / LESSON)}}).execute()
+    NotebookClient(nb, km=kernel, timeout=120, resources={"metadata": {"path": str(built_repo / "course" / LESSON)}}).execute()
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert all(c.execution_count for c in code)
     errors = ["".join(o.traceback) for c in code for o in c.outputs if o.output_type == "error"]

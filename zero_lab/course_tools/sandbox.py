@@ -5,6 +5,9 @@ confines what it can. nbgrader_config.py calls `confine` in an autograde run (do
 - HOME and TMPDIR point into a scratch folder inside the course (nothing written outside it),
   removed when nbgrader exits; the kernel starts in the notebook's own folder (nbgrader's
   default);
+- on macOS and Linux the kernel talks to nbgrader over Unix sockets (nbgrader_config.py), not
+  TCP: jupyter_client picks free ports and lets them go before the kernel binds them, and a
+  rank's gloo socket can take one in between ("Address already in use", jupyter/nbconvert#1066);
 - on Linux nbgrader becomes a child subreaper: a process learner code started, even in a new
   session (`setsid`), is re-parented to it when its parent dies, and is killed when nbgrader
   exits;
@@ -37,12 +40,15 @@ def confine(course_root: str | Path) -> None:
     startup = home / ".ipython" / "profile_default" / "startup"
     startup.mkdir(parents=True)
     tmp.mkdir()
+    # A Unix socket's path has at most 104 bytes (macOS), so the kernels' sockets get a short folder.
+    runtime = tempfile.mkdtemp(prefix="zl-", dir="/tmp") if os.name == "posix" else str(scratch / "runtime")
     shutil.copy(Path(__file__).with_name("grading_kernel.py"), startup / "00-zero-lab-grading.py")
     os.environ.update(HOME=str(home), TMPDIR=str(tmp), IPYTHONDIR=str(home / ".ipython"), ZERO_LAB_CONFINED="1",
+                      JUPYTER_RUNTIME_DIR=runtime,
                       ZERO_LAB_COURSE_ROOT=str(Path(course_root).resolve()), ZERO_LAB_IMPL="reference")
     if hasattr(os, "sched_getaffinity"):  # Linux
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    atexit.register(clean_up, scratch)
+    atexit.register(clean_up, scratch, Path(runtime))
 
 
 def children() -> list[int]:
@@ -71,6 +77,7 @@ def kill_descendants() -> None:
                 pass
 
 
-def clean_up(scratch: Path) -> None:
+def clean_up(*folders: Path) -> None:
     kill_descendants()
-    shutil.rmtree(scratch, ignore_errors=True)
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
