@@ -251,7 +251,7 @@ class ShardedCheckpoint:
                 for s, view in zip(states, param_views(flat, group.params)):
                     if key in s:
                         view.copy_(s[key])
-                shard[key] = flat[start:stop]
+                shard[key] = flat[start:stop].clone()  # its own storage: a view keeps the whole buffer alive
             if any("step" in s for s in states):  # Adam: the shard counts the most; the others keep their own
                 counts = [float(s.get("step", 0)) for s in states]
                 shard["step"] = torch.tensor(max(counts))

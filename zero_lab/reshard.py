@@ -1,0 +1,292 @@
+# Generated from solutions/16_checkpoints/16_checkpoints.ipynb by `zero-lab build`: edit the notebook, not this file.
+
+"""Checkpoints that outlive the world: ZeRO shards saved by N ranks, loaded by M.
+
+Piece             which elements of which parameter a rank holds, and where they are in its shards
+shard_pieces      a rank's pieces, from the flat buffers' (name, shape) lists and the world size
+buffers_of        those lists for a ZeRO optimizer of stage 1, 2 (param groups) or 3 (units)
+Read              one read of a load plan: elements of a saved rank's file into this rank's shards
+load_plan         every read a rank of the new world makes, from the saved pieces and its own
+read_pieces       carry out a plan through one bounded read buffer; the bytes read
+save_resharded    every rank writes its shards and its pieces; rank 0 writes the manifest last
+load_resharded    every rank of any world size reads only the byte ranges its own shards need
+
+The files are the same on every stage: per rank, one raw fp32 file per state (the master weights,
+Adam's exp_avg and exp_avg_sq), its shards laid end to end, and a JSON file of its pieces and step
+counts, the self-describing metadata torch.distributed.checkpoint keeps in its .metadata file.
+"""
+
+import json
+import math
+import os
+from bisect import bisect_right
+from collections import defaultdict
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from zero_lab.zero1 import ShardLayout
+
+
+class Piece(NamedTuple):
+    """Elements [start, start + numel) of parameter `name` (flattened), held at `offset` in a rank's shards."""
+
+    name: str
+    shape: tuple[int, ...]
+    start: int  # first element of the flattened parameter in the piece
+    numel: int  # > 0
+    offset: int  # where the piece begins in the rank's shards, laid end to end in buffer order
+
+
+def shard_pieces(buffers: list[list[tuple[str, tuple[int, ...]]]], world_size: int, rank: int) -> list[Piece]:
+    """The pieces of every parameter that `rank`'s shards hold, in shard order (padding is no piece).
+
+    buffers[b] lists the (name, shape) of flat buffer b's parameters in layout order; each buffer is
+    cut by ShardLayout(its numel, world_size), and the rank's shards of all buffers are laid end to end.
+    """
+    pieces, base = [], 0
+    for params in buffers:
+        layout = ShardLayout(sum(math.prod(shape) for _, shape in params), world_size)
+        low, high = layout.shard(rank)
+        at = 0  # where the parameter begins in the buffer
+        for name, shape in params:
+            first, last = max(at, low), min(at + math.prod(shape), high)
+            if first < last:
+                pieces.append(Piece(name, tuple(shape), first - at, last - first, base + first - low))
+            at += math.prod(shape)
+        base += layout.shard_numel
+    return pieces
+
+
+def parameter_names(model: torch.nn.Module) -> dict:
+    """{parameter: its name}; a tied parameter takes its first name (named_parameters() lists it once)."""
+    return {p: name for name, p in model.named_parameters()}
+
+
+def buffers_of(optimizer) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """(name, shape) of each flat buffer's parameters: the param groups of stages 1 and 2, the units of stage 3."""
+    names = parameter_names(optimizer.model)
+    if optimizer.stage == 3:  # between steps a unit's parameters are empty tensors: the unit keeps their shapes
+        return [[(names[p], tuple(shape)) for p, shape in zip(unit.params, unit.shapes)] for unit in optimizer.units]
+    return [[(names[p], tuple(p.shape)) for p in group.params] for group in optimizer.groups]
+
+
+class Read(NamedTuple):
+    """numel elements from `offset` in saved rank `rank`'s file into this rank's shards at `to`."""
+
+    rank: int
+    offset: int
+    to: int
+    numel: int
+
+
+def load_plan(saved: list[list[Piece]], wanted: list[Piece]) -> list[Read]:
+    """The reads that fill `wanted` (this rank's pieces in the new world) from `saved` (saved[r]: rank r's pieces).
+
+    Reads are ordered by `to`, each element read once; a read that continues the previous one in the same
+    file and in the shards is merged into it. A wanted parameter the checkpoint lacks, saved with another
+    shape, or not covered whole, raises ValueError naming it.
+    """
+    holders = defaultdict(list)
+    for rank, pieces in enumerate(saved):
+        for piece in pieces:
+            holders[piece.name].append((rank, piece))
+    reads = []
+    for want in wanted:
+        if not holders[want.name]:
+            raise ValueError(f"{want.name} is not in the checkpoint: it was saved from another model")
+        covered = 0
+        for rank, piece in holders[want.name]:
+            if piece.shape != want.shape:
+                raise ValueError(f"{want.name} was saved with shape {piece.shape}, this model's is {want.shape}")
+            first = max(want.start, piece.start)
+            last = min(want.start + want.numel, piece.start + piece.numel)
+            if first < last:
+                reads.append(Read(rank, piece.offset + first - piece.start, want.offset + first - want.start,
+                                  last - first))
+                covered += last - first
+        if covered != want.numel:
+            raise ValueError(f"{want.name}: the checkpoint holds {covered} of the {want.numel} elements wanted")
+    merged = []
+    for read in sorted(reads, key=lambda r: r.to):
+        last = merged[-1] if merged else None
+        if last and last.rank == read.rank and last.offset + last.numel == read.offset and last.to + last.numel == read.to:
+            merged[-1] = last._replace(numel=last.numel + read.numel)
+        else:
+            merged.append(read)
+    return merged
+
+
+def read_pieces(plan: list[Read], files: dict, put, buffer: torch.Tensor) -> int:
+    """Carry out `plan` through `buffer` (1-D, the files' dtype); returns the bytes read.
+
+    files[rank] is saved rank `rank`'s file, open for binary reading (element i at byte i * itemsize);
+    put(to, values) copies the 1-D tensor `values` into this rank's shards from element `to` on.
+    A read longer than the buffer goes through it in parts. A file that ends early raises ValueError
+    naming it. Nothing but `buffer` is allocated.
+    """
+    itemsize, total = buffer.element_size(), 0
+    window = memoryview(buffer.numpy()).cast("B")  # the buffer's own bytes, no copy
+    for read in plan:
+        done = 0
+        while done < read.numel:
+            count = min(buffer.numel(), read.numel - done)
+            file = files[read.rank]
+            file.seek((read.offset + done) * itemsize)
+            got = file.readinto(window[:count * itemsize])
+            if got != count * itemsize:
+                raise ValueError(f"{getattr(file, 'name', read.rank)} ends early: {got} of {count * itemsize} bytes at "
+                                 f"byte {(read.offset + done) * itemsize}")
+            put(read.to + done, buffer[:count])
+            done, total = done + count, total + got
+    return total
+
+
+MASTER = "master"  # the fp32 master weights; the other states are the inner optimizer's (AdamW: exp_avg, exp_avg_sq)
+METADATA = "metadata.json"  # written last, by rank 0: a checkpoint without it is not finished
+
+
+def _states(optimizer) -> list[tuple[torch.Tensor, list[int], int]]:
+    """(inner optimizer tensor, its offsets in this rank's shards, which buffer) for each tensor the inner optimizer steps.
+
+    Stages 1 and 2: one tensor per param group, its whole shard. Stage 3: one per trainable parameter's slice."""
+    bases = [0]
+    for buffer in optimizer.groups:
+        bases.append(bases[-1] + buffer.layout.shard_numel)
+    if optimizer.stage == 3:
+        return [(piece.master, bases[b] + piece.shard_offset, b) for b, unit in enumerate(optimizer.units)
+                for piece in unit.slices]
+    return [(group.master, bases[b], b) for b, group in enumerate(optimizer.groups)]
+
+
+def _segments(optimizer, key: str) -> list[tuple[int, torch.Tensor]]:
+    """(offset in this rank's shards, 1-D tensor) that hold state `key`, in offset order."""
+    if key == MASTER:
+        offset, segments = 0, []
+        for buffer in optimizer.groups:
+            segments.append((offset, buffer.master))
+            offset += buffer.layout.shard_numel
+        return segments
+    return sorted(((offset, optimizer.optimizer.state[t][key]) for t, offset, _ in _states(optimizer) if t.numel()),
+                  key=lambda segment: segment[0])
+
+
+def _put(segments):
+    """put(to, values) for read_pieces: the values go into the tensors that hold those elements of the shards."""
+    offsets = [offset for offset, _ in segments]
+
+    def put(to: int, values: torch.Tensor) -> None:
+        while values.numel():  # a merged read may run on from one buffer's shard into the next one's
+            offset, tensor = segments[bisect_right(offsets, to) - 1]
+            count = min(values.numel(), offset + tensor.numel() - to)
+            if count <= 0:
+                raise ValueError(f"element {to} of this rank's shards is in none of its tensors (padding?)")
+            tensor[to - offset:to - offset + count] = values[:count]
+            to, values = to + count, values[count:]
+
+    return put
+
+
+def _steps(optimizer, names) -> dict[str, float]:
+    """Each trainable parameter's AdamW step count, by name."""
+    steps = {}
+    for tensor, _, b in _states(optimizer):
+        state = optimizer.optimizer.state.get(tensor, {})
+        if optimizer.stage == 3:
+            piece = next(s for s in optimizer.units[b].slices if s.master is tensor)
+            steps[names[piece.param]] = float(state.get("step", 0))
+        else:
+            own = state.get("param_steps")  # lesson 03: a parameter skipped by some steps keeps its own count
+            for i, p in enumerate(optimizer.groups[b].params):
+                steps[names[p]] = float(own[i] if own is not None else state.get("step", 0))
+    return steps
+
+
+@torch.no_grad()
+def save_resharded(optimizer, folder) -> None:
+    """Every rank writes its shards (one raw file per state) and hands its pieces to rank 0, which writes
+    metadata.json last. Every rank calls it, after a step (AdamW's states exist)."""
+    rank, world_size = optimizer.rank, optimizer.world_size
+    os.makedirs(folder, exist_ok=True)
+    total = sum(buffer.layout.shard_numel for buffer in optimizer.groups)
+    keys = [MASTER] + sorted({k for t, _, _ in _states(optimizer) for k, v in optimizer.optimizer.state.get(t, {}).items()
+                              if torch.is_tensor(v) and v.dim() and k != "param_steps"})
+    for key in keys:
+        shards = torch.zeros(total, dtype=torch.float32)  # padding and frozen parameters' moments stay zero
+        for offset, tensor in _segments(optimizer, key):
+            shards[offset:offset + tensor.numel()] = tensor
+        with open(os.path.join(folder, f"rank{rank}.{key}.bin"), "wb") as file:
+            file.write(memoryview(shards.numpy()).cast("B"))
+    names = parameter_names(optimizer.model)
+    mine = {"pieces": [list(p) for p in shard_pieces(buffers_of(optimizer), world_size, rank)],
+            "steps": _steps(optimizer, names)}
+    everyone = [None] * world_size if rank == 0 else None
+    dist.gather_object(mine, everyone, dst=0)
+    if rank == 0:
+        options = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        with open(os.path.join(folder, METADATA), "w") as file:
+            json.dump({"world_size": world_size, "stage": optimizer.stage, "keys": keys, "param_groups": options,
+                       "ranks": everyone}, file)
+    dist.barrier()  # nobody returns before the checkpoint is whole
+
+
+@torch.no_grad()
+def load_resharded(optimizer, folder, buffer_numel: int = 1 << 16) -> dict:
+    """Load a save_resharded checkpoint of any world size into this rank's shards; every rank calls it.
+    Returns {"bytes_read", "shard_bytes" (what this rank holds of the saved states), "reads", "buffer_bytes"}."""
+    with open(os.path.join(folder, METADATA)) as file:
+        metadata = json.load(file)
+    saved = [[Piece(name, tuple(shape), start, numel, offset) for name, shape, start, numel, offset in r["pieces"]]
+             for r in metadata["ranks"]]
+    steps = metadata["ranks"][0]["steps"]  # every rank saved every trainable parameter's count
+    wanted = shard_pieces(buffers_of(optimizer), optimizer.world_size, optimizer.rank)
+    names = parameter_names(optimizer.model)
+    for tensor, _, _ in _states(optimizer):  # a fresh optimizer: AdamW's states, to be overwritten
+        state = optimizer.optimizer.state[tensor]
+        state.setdefault("step", torch.tensor(0.0))
+        for key in metadata["keys"][1:]:
+            state.setdefault(key, torch.zeros_like(tensor))
+    trained = set(steps)
+    buffer = torch.empty(buffer_numel, dtype=torch.float32)
+    stats = {"bytes_read": 0, "shard_bytes": 0, "reads": 0, "buffer_bytes": buffer.nbytes}
+    for key in metadata["keys"]:
+        pieces = wanted if key == MASTER else [p for p in wanted if p.name in trained]
+        plan = load_plan(saved, pieces)
+        files = {rank: open(os.path.join(folder, f"rank{rank}.{key}.bin"), "rb") for rank in {r.rank for r in plan}}
+        try:
+            stats["bytes_read"] += read_pieces(plan, files, _put(_segments(optimizer, key)), buffer)
+        finally:
+            for file in files.values():
+                file.close()
+        stats["shard_bytes"] += sum(p.numel for p in pieces) * buffer.element_size()
+        stats["reads"] += len(plan)
+    _restore_steps(optimizer, names, steps)
+    for group, options in zip(optimizer.param_groups, metadata["param_groups"]):
+        group.update({k: type(group[k])(v) if isinstance(group.get(k), tuple) else v for k, v in options.items()})
+    _refresh_weights(optimizer)
+    return stats
+
+
+def _restore_steps(optimizer, names, steps: dict[str, float]) -> None:
+    for tensor, _, b in _states(optimizer):
+        state = optimizer.optimizer.state[tensor]
+        if optimizer.stage == 3:
+            piece = next(s for s in optimizer.units[b].slices if s.master is tensor)
+            state["step"] = torch.tensor(steps[names[piece.param]])
+            continue
+        counts = [steps[names[p]] for p in optimizer.groups[b].params]
+        state["step"] = torch.tensor(max(counts))  # as lesson 03 keeps them: the group's count, and each one's
+        state.pop("param_steps", None)
+        if len(set(counts)) > 1:
+            state["param_steps"] = torch.tensor(counts)
+
+
+def _refresh_weights(optimizer) -> None:
+    """The model's weights follow the loaded masters: stage 3's shards, stages 1 and 2's all-gathered flat buffers."""
+    for buffer in optimizer.groups:
+        if optimizer.stage == 3:
+            if buffer.shard is not buffer.master:
+                buffer.shard.copy_(buffer.master)
+        else:
+            dist.all_gather_single(buffer.flat_param, buffer.master.to(buffer.flat_param.dtype))
