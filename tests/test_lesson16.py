@@ -1,0 +1,199 @@
+"""Lesson 16, checkpoints that outlive the world: a run saved on N ranks resumes on M (stages 1-3) with the saved
+state bit for bit, reading exactly its shard through one bounded buffer; typical wrong answers fail their graded cells."""
+
+LESSON = "16_checkpoints"
+
+import json
+import os
+
+import pytest
+import torch
+
+import nbformat
+from graded_cells import _define_helpers, assert_mutant_fails, assert_reference_full_and_learner_zero
+from zero_lab import launch, prepare
+from zero_lab.memory_ledger import model_state_bytes
+from zero_lab.models import GPT, GPTConfig
+from zero_lab.data import shard_batch, token_batches
+from zero_lab.reshard import METADATA, Piece, Read, load_plan, load_resharded, save_resharded, shard_pieces
+from zero_lab.course_tools.implementation import REPO
+from zero_lab.zero_r import bytes_during
+
+CONFIG = GPTConfig(vocab_size=29, n_layer=2, n_head=2, n_embd=8, block_size=8)  # tied weights
+BATCHES = list(token_batches(5, 12, CONFIG.block_size, CONFIG.vocab_size, seed=2))
+
+
+def make(stage, seed=0):
+    return prepare(GPT(CONFIG, seed=seed), torch.optim.AdamW, stage=stage, lr=1e-2, weight_decay=0.1)
+
+
+def train(model, optimizer, batches):
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    for batch in batches:
+        model(*shard_batch(batch, rank, world_size))[1].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def plain(full):
+    return None if full is None else ({k: v.tolist() for k, v in full["model"].items()},
+                                      {i: {k: v.tolist() for k, v in s.items()} for i, s in full["optimizer"]["state"].items()})
+
+
+def save(stage, folder):
+    model, optimizer = make(stage)
+    train(model, optimizer, BATCHES[:3])
+    save_resharded(optimizer, folder)
+    return plain(optimizer.consolidated_state_dict())
+
+
+def resume(stage, folder, buffer_numel):
+    """Load after a step (the states exist): what the load allocates is the read buffer and little else."""
+    model, optimizer = make(stage, seed=1)
+    train(model, optimizer, BATCHES[:1])
+    before = model_state_bytes(model, optimizer).bytes
+    figures, peak, _ = bytes_during(load_resharded, optimizer, folder, buffer_numel)
+    if stage < 3:  # the weights follow the masters by an all-gather, whose temporary on gloo is the whole buffer
+        peak -= sum(group.flat_param.nbytes for group in optimizer.groups)
+    loaded = plain(optimizer.consolidated_state_dict())
+    train(model, optimizer, BATCHES[3:])
+    return figures, peak, before == model_state_bytes(model, optimizer).bytes, loaded, plain(optimizer.consolidated_state_dict())
+
+
+def continue_from_consolidated(stage, full):
+    model, optimizer = make(stage, seed=1)
+    model.load_state_dict(full["model"])
+    optimizer.load_state_dict(full["optimizer"])
+    held = model_state_bytes(model, optimizer).bytes
+    train(model, optimizer, BATCHES[3:])
+    return plain(optimizer.consolidated_state_dict()), held
+
+
+@pytest.mark.parametrize("stage, saved_world, world", [(2, 3, 2), (3, 1, 3), (1, 4, 1)])
+def test_a_resharded_resume_holds_the_saved_state_and_trains_like_a_consolidated_one(tmp_path, stage, saved_world, world):
+    saved = launch(save, saved_world, stage, str(tmp_path), timeout=60)[0]
+    results = launch(resume, world, stage, str(tmp_path), 16, timeout=60)
+    assert results[0][3] == saved  # masters, moments and step counts, bit for bit
+    checkpoint_bytes = sum(os.path.getsize(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith(".bin"))
+    for figures, peak, same_memory, _, _ in results:
+        assert figures["bytes_read"] == figures["shard_bytes"] and same_memory
+        assert figures["buffer_bytes"] == 64 and peak <= 64 + 1024  # the read buffer, and 0-dim step counters
+        assert world == 1 or figures["bytes_read"] < checkpoint_bytes / (world - 0.5)  # about 1/M of the checkpoint
+    metadata = json.loads((tmp_path / METADATA).read_text())
+    assert sum(r[0]["bytes_read"] for r in results) == sum(p[3] for r in metadata["ranks"] for p in r["pieces"]) * 3 * 4
+
+
+def consolidated_after(stage, folder):
+    model, optimizer = make(stage)
+    train(model, optimizer, BATCHES[:3])
+    full = optimizer.consolidated_state_dict()
+    if full is not None:
+        torch.save(full, os.path.join(folder, "full.pt"))
+    save_resharded(optimizer, folder)
+
+
+def both_ways(stage, folder):
+    a = make(stage, seed=1)
+    load_resharded(a[1], folder)
+    b = make(stage, seed=2)
+    full = torch.load(os.path.join(folder, "full.pt"))
+    b[0].load_state_dict(full["model"])
+    b[1].load_state_dict(full["optimizer"])
+    held = [model_state_bytes(*pair).bytes for pair in (a, b)]
+    for pair in (a, b):
+        train(*pair, BATCHES[3:])
+    return held, [plain(pair[1].consolidated_state_dict()) for pair in (a, b)]
+
+
+def test_resharded_and_consolidated_loads_continue_alike_and_hold_the_same_bytes(tmp_path):
+    """Lesson 03's consolidated load keeps each rank's shard of the moments, not a view of the whole buffer."""
+    launch(consolidated_after, 2, 1, str(tmp_path), timeout=60)
+    for rank, (held, continued) in enumerate(launch(both_ways, 3, 1, str(tmp_path), timeout=60)):
+        assert held[0] == held[1], f"rank {rank}: {held}"
+        if rank == 0:
+            assert continued[0] == continued[1]
+
+
+def test_load_plan_refuses_another_model_naming_the_parameter():
+    saved = [shard_pieces([[("w", (4, 3)), ("b", (3,))]], 2, r) for r in range(2)]
+    with pytest.raises(ValueError, match="w was saved with shape"):
+        load_plan(saved, shard_pieces([[("w", (3, 4)), ("b", (3,))]], 3, 0))
+    with pytest.raises(ValueError, match="extra is not in the checkpoint"):
+        load_plan(saved, shard_pieces([[("w", (4, 3)), ("b", (3,)), ("extra", (1,))]], 1, 0))
+
+
+def test_the_worked_examples():
+    buffers = [[("a", (2, 3)), ("b", (5,))]]
+    assert [shard_pieces(buffers, 3, r) for r in range(3)] == [
+        [Piece("a", (2, 3), 0, 4, 0)], [Piece("a", (2, 3), 4, 2, 0), Piece("b", (5,), 0, 2, 2)], [Piece("b", (5,), 2, 3, 0)]]
+    saved = [shard_pieces(buffers, 3, r) for r in range(3)]
+    assert load_plan(saved, shard_pieces(buffers, 2, 0)) == [Read(0, 0, 0, 4), Read(1, 0, 4, 2)]
+    assert load_plan(saved, shard_pieces(buffers, 2, 1)) == [Read(1, 2, 0, 2), Read(2, 0, 2, 3)]
+
+
+def test_reference_full_marks_learner_zero(graded):
+    assert_reference_full_and_learner_zero(graded, LESSON, 14)
+
+
+# Typical wrong answers: each must fail the graded cell named with it.
+MUTANTS = {
+    "empty pieces listed (<= at a shard boundary)": ("            if first < last:\n", "            if first <= last:\n",
+                                                     "reshard_pieces"),
+    "offsets restart at every buffer": ("                pieces.append(Piece(name, tuple(shape), first - at, last - first, base + first - low))\n",
+                                        "                pieces.append(Piece(name, tuple(shape), first - at, last - first, first - low))\n",
+                                        "reshard_pieces"),
+    "shards of floor(numel / N) between buffers (padding dropped)": (
+        "        base += layout.shard_numel\n", "        base += layout.numel // world_size\n", "reshard_pieces"),
+    "padding listed as a piece of the last parameter": (
+        "            first, last = max(at, low), min(at + math.prod(shape), high)\n",
+        "            first, last = max(at, low), min(at + math.prod(shape) + (layout.padded_numel - layout.numel\n"
+        "                                                                     if name == params[-1][0] else 0), high)\n",
+        "reshard_pieces"),
+    "reads never merged": ("        if last and last.rank == read.rank", "        if False and last and last.rank == read.rank",
+                           "reshard_load_plan"),
+    "the whole saved piece read, not the overlap": (
+        "                reads.append(Read(rank, piece.offset + first - piece.start, want.offset + first - want.start,\n"
+        "                                  last - first))\n",
+        "                reads.append(Read(rank, piece.offset, want.offset + piece.start - want.start, piece.numel))\n",
+        "reshard_load_plan"),
+    "one element too many at the end of each overlap": (
+        "                                  last - first))\n", "                                  last - first + 1))\n",
+        "reshard_load_plan"),
+    "shapes not compared": ("            if piece.shape != want.shape:\n", "            if False:\n", "reshard_load_plan"),
+    "elements missing from the checkpoint not noticed": ("        if covered != want.numel:\n", "        if False:\n",
+                                                         "reshard_load_plan"),
+    "a copy of the buffer handed on (the bound not kept)": ("            put(read.to + done, buffer[:count])\n",
+                                                            "            put(read.to + done, buffer[:count].clone())\n",
+                                                            "reshard_read_pieces"),
+    "a short read not noticed": ("            if got != count * itemsize:\n", "            if False:\n", "reshard_read_pieces"),
+    "the offset in the file read as bytes, not elements": (
+        "            file.seek((read.offset + done) * itemsize)\n", "            file.seek(read.offset + done)\n",
+        "reshard_read_pieces"),
+    "every part read from the read's start": ("            file.seek((read.offset + done) * itemsize)\n",
+                                              "            file.seek(read.offset * itemsize)\n", "reshard_read_pieces"),
+}
+
+
+@pytest.mark.parametrize("mutant", MUTANTS)
+def test_typical_mistakes_fail_their_graded_cell(mutant):
+    assert_mutant_fails(LESSON, *MUTANTS[mutant])
+
+
+def run_graded_cell_with(test_id: str, old: str, new: str) -> None:
+    """The notebook's untagged cells up to `#| test test_id`, with `old` replaced by `new`; then that cell."""
+    namespace = {"__name__": f"lesson_{LESSON}"}
+    for cell in nbformat.read(REPO / "solutions" / LESSON / f"{LESSON}.ipynb", as_version=4).cells:
+        if cell.cell_type != "code" or cell.metadata.get("tags"):
+            continue
+        if not cell.source.startswith("#| test "):
+            exec(compile(cell.source.replace(old, new), "cell", "exec"), namespace)
+        elif cell.source.split()[2] == test_id:
+            exec(compile(cell.source, test_id, "exec"), namespace)
+            return
+        else:
+            _define_helpers(cell.source, namespace)
+
+
+def test_the_resume_names_the_exercise_that_fails():
+    with pytest.raises(AssertionError, match=r"Exercise 1, shard_pieces, fails its own test first"):
+        run_graded_cell_with("reshard_resume", *MUTANTS["offsets restart at every buffer"][:2])
