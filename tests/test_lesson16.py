@@ -197,3 +197,75 @@ def run_graded_cell_with(test_id: str, old: str, new: str) -> None:
 def test_the_resume_names_the_exercise_that_fails():
     with pytest.raises(AssertionError, match=r"Exercise 1, shard_pieces, fails its own test first"):
         run_graded_cell_with("reshard_resume", *MUTANTS["offsets restart at every buffer"][:2])
+
+
+# zero_lab.prepare's optimizers: optimizer.load_state_dict(list of every saved rank's state dict or file)
+def frozen_and_groups(model):
+    """A frozen position embedding (not in a stage 1-2 optimizer's state: it comes with the model) and two groups."""
+    model.transformer.wpe.weight.requires_grad_(False)
+    return [{"params": [p for p in model.parameters() if p.requires_grad and p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.requires_grad and p.dim() < 2], "weight_decay": 0.0, "lr": 3e-2}]
+
+
+def made_with_groups(stage):
+    model = GPT(CONFIG, seed=0)
+    return prepare(model, torch.optim.AdamW, stage=stage, params=frozen_and_groups(model), lr=1e-2)
+
+
+def save_state_dict(stage, folder):
+    model, optimizer = made_with_groups(stage)
+    train(model, optimizer, BATCHES[:3])
+    torch.save(optimizer.state_dict(), os.path.join(folder, f"rank{optimizer.rank}.pt"))
+    full = optimizer.consolidated_state_dict()
+    if full is not None:
+        torch.save(full, os.path.join(folder, "full.pt"))
+    return plain(full)
+
+
+def load_state_dict_list(stage, folder, saved_world, as_paths):
+    paths = [os.path.join(folder, f"rank{rank}.pt") for rank in range(saved_world)]
+    resharded, consolidated = made_with_groups(stage), made_with_groups(stage)
+    resharded[1].load_state_dict(paths if as_paths else [torch.load(path) for path in paths])
+    full = torch.load(os.path.join(folder, "full.pt"))
+    consolidated[0].load_state_dict(full["model"])
+    consolidated[1].load_state_dict(full["optimizer"])
+    loaded = plain(resharded[1].consolidated_state_dict())
+    for pair in (resharded, consolidated):
+        train(*pair, BATCHES[3:])
+    return loaded, plain(resharded[1].consolidated_state_dict()) == plain(consolidated[1].consolidated_state_dict())
+
+
+@pytest.mark.parametrize("stage, saved_world, world, as_paths", [(2, 3, 2, True), (3, 2, 3, False)])
+def test_prepare_s_optimizer_loads_every_rank_s_state_dict_at_another_world_size(tmp_path, stage, saved_world, world,
+                                                                                as_paths):
+    saved = launch(save_state_dict, saved_world, stage, str(tmp_path), timeout=60)[0]
+    loaded, continues_alike = launch(load_state_dict_list, world, stage, str(tmp_path), saved_world, as_paths, timeout=60)[0]
+    assert loaded == saved and continues_alike
+
+
+def refusals(folder):
+    model, optimizer = made_with_groups(3)
+    train(model, optimizer, BATCHES[:1])
+    errors = []
+    if optimizer.rank == 0:
+        for wrong in ({**optimizer.state_dict(), "world_size": 3}, [optimizer.state_dict()]):  # another world; a list of 1
+            try:
+                optimizer.load_state_dict(wrong)
+            except ValueError as error:
+                errors.append(str(error))
+    torch.distributed.barrier()
+    return errors
+
+
+def offloaded_refuses():
+    model = GPT(CONFIG, seed=0)
+    model, optimizer = prepare(model, torch.optim.AdamW, stage=1, offload="cpu", lr=1e-2)
+    with pytest.raises(ValueError, match="resharding .* is built for stages 1-3 without offload"):
+        optimizer.load_state_dict([optimizer.state_dict()])
+
+
+def test_a_state_dict_of_another_world_is_refused_naming_the_list():
+    single, listed = launch(refusals, 2, None, timeout=60)[0]
+    assert "sharded for 3 ranks" in single and "list of all saved ranks' state dicts" in single
+    assert "state dict 0 of the list is rank 0 of 2" in listed
+    launch(offloaded_refuses, 1, timeout=60)

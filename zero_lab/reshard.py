@@ -147,60 +147,84 @@ MASTER = "master"  # the fp32 master weights; the other states are the inner opt
 METADATA = "metadata.json"  # written last, by rank 0: a checkpoint without it is not finished
 
 
-def _states(optimizer) -> list[tuple[torch.Tensor, list[int], int]]:
-    """(inner optimizer tensor, its offsets in this rank's shards, which buffer) for each tensor the inner optimizer steps.
-
-    Stages 1 and 2: one tensor per param group, its whole shard. Stage 3: one per trainable parameter's slice."""
-    bases = [0]
-    for buffer in optimizer.groups:
-        bases.append(bases[-1] + buffer.layout.shard_numel)
+def _inner_params(optimizer) -> list[list]:
+    """For each tensor of the inner optimizer, in its numbering (its state_dict's): the parameters whose steps it
+    counts. Stages 1 and 2: one tensor per param group, its whole shard; stage 3: one per trainable parameter."""
     if optimizer.stage == 3:
-        return [(piece.master, bases[b] + piece.shard_offset, b) for b, unit in enumerate(optimizer.units)
-                for piece in unit.slices]
-    return [(group.master, bases[b], b) for b, group in enumerate(optimizer.groups)]
+        return [[p] for params in optimizer.group_params for p in params]
+    return [group.params for group in optimizer.groups]
+
+
+def describe(optimizer, world_size: int | None = None, rank: int | None = None) -> dict:
+    """What makes a rank's shards readable by another world, for this optimizer's model at `world_size` (default
+    its own) and `rank`: the buffers' (name, shape) lists and, for each tensor of the inner optimizer, where it
+    starts in the rank's shards and the names of the parameters whose steps it counts."""
+    world_size, rank = (optimizer.world_size, optimizer.rank) if world_size is None else (world_size, rank)
+    buffers, names = buffers_of(optimizer), parameter_names(optimizer.model)
+    begins, shards, base = {}, [], 0  # where each parameter begins in its buffer; each buffer's shard
+    for b, params in enumerate(buffers):
+        layout, at = ShardLayout(sum(math.prod(shape) for _, shape in params), world_size), 0
+        for name, shape in params:
+            begins[name] = (b, at)
+            at += math.prod(shape)
+        shards.append((base, *layout.shard(rank)))
+        base += layout.shard_numel
+    offsets = []
+    for params in _inner_params(optimizer):
+        b, begin = begins[names[params[0]]]
+        base, low, high = shards[b]
+        offsets.append(base + (min(max(begin, low), high) - low if optimizer.stage == 3 else 0))  # a slice or a shard
+    return {"buffers": buffers, "offsets": offsets,
+            "names": [[names[p] for p in params] for params in _inner_params(optimizer)]}
+
+
+def _states(optimizer) -> list[tuple[torch.Tensor, int, list]]:
+    """(inner optimizer tensor, its offset in this rank's shards, the parameters whose step it counts)."""
+    tensors = [t for group in optimizer.optimizer.param_groups for t in group["params"]]
+    return list(zip(tensors, describe(optimizer)["offsets"], _inner_params(optimizer)))
+
+
+def _steps(layout: dict, inner_state: dict) -> dict[str, float]:
+    """Each trainable parameter's step count, by name, from an inner optimizer's state_dict()["state"]."""
+    steps = {}
+    for index, names in enumerate(layout["names"]):
+        state = inner_state.get(index, {})
+        own = state.get("param_steps")  # lesson 03: a parameter skipped by some steps keeps its own count
+        for i, name in enumerate(names):
+            steps[name] = float(own[i] if own is not None else state.get("step", 0))
+    return steps
 
 
 def _segments(optimizer, key: str) -> list[tuple[int, torch.Tensor]]:
     """(offset in this rank's shards, 1-D tensor) that hold state `key`, in offset order."""
     if key == MASTER:
-        offset, segments = 0, []
+        offsets = [0]
         for buffer in optimizer.groups:
-            segments.append((offset, buffer.master))
-            offset += buffer.layout.shard_numel
-        return segments
+            offsets.append(offsets[-1] + buffer.layout.shard_numel)
+        return [(offset, buffer.master) for offset, buffer in zip(offsets, optimizer.groups)]
     return sorted(((offset, optimizer.optimizer.state[t][key]) for t, offset, _ in _states(optimizer) if t.numel()),
                   key=lambda segment: segment[0])
 
 
+def _parts(segments, to: int, numel: int):
+    """(offset, view) of the tensors in `segments` that hold elements [to, to + numel): a run may cross buffers."""
+    offsets = [offset for offset, _ in segments]
+    while numel:
+        offset, tensor = segments[bisect_right(offsets, to) - 1]
+        count = min(numel, offset + tensor.numel() - to)
+        if count <= 0:
+            raise ValueError(f"element {to} of the shards is in none of its tensors (padding?)")
+        yield to, tensor[to - offset:to - offset + count]
+        to, numel = to + count, numel - count
+
+
 def _put(segments):
     """put(to, values) for read_pieces: the values go into the tensors that hold those elements of the shards."""
-    offsets = [offset for offset, _ in segments]
-
     def put(to: int, values: torch.Tensor) -> None:
-        while values.numel():  # a merged read may run on from one buffer's shard into the next one's
-            offset, tensor = segments[bisect_right(offsets, to) - 1]
-            count = min(values.numel(), offset + tensor.numel() - to)
-            if count <= 0:
-                raise ValueError(f"element {to} of this rank's shards is in none of its tensors (padding?)")
-            tensor[to - offset:to - offset + count] = values[:count]
-            to, values = to + count, values[count:]
+        for at, view in _parts(segments, to, values.numel()):
+            view.copy_(values[at - to:at - to + view.numel()])
 
     return put
-
-
-def _steps(optimizer, names) -> dict[str, float]:
-    """Each trainable parameter's AdamW step count, by name."""
-    steps = {}
-    for tensor, _, b in _states(optimizer):
-        state = optimizer.optimizer.state.get(tensor, {})
-        if optimizer.stage == 3:
-            piece = next(s for s in optimizer.units[b].slices if s.master is tensor)
-            steps[names[piece.param]] = float(state.get("step", 0))
-        else:
-            own = state.get("param_steps")  # lesson 03: a parameter skipped by some steps keeps its own count
-            for i, p in enumerate(optimizer.groups[b].params):
-                steps[names[p]] = float(own[i] if own is not None else state.get("step", 0))
-    return steps
 
 
 @torch.no_grad()
@@ -218,9 +242,9 @@ def save_resharded(optimizer, folder) -> None:
             shards[offset:offset + tensor.numel()] = tensor
         with open(os.path.join(folder, f"rank{rank}.{key}.bin"), "wb") as file:
             file.write(memoryview(shards.numpy()).cast("B"))
-    names = parameter_names(optimizer.model)
-    mine = {"pieces": [list(p) for p in shard_pieces(buffers_of(optimizer), world_size, rank)],
-            "steps": _steps(optimizer, names)}
+    layout = describe(optimizer)
+    mine = {"pieces": [list(p) for p in shard_pieces(layout["buffers"], world_size, rank)],
+            "steps": _steps(layout, optimizer.optimizer.state_dict()["state"])}
     everyone = [None] * world_size if rank == 0 else None
     dist.gather_object(mine, everyone, dst=0)
     if rank == 0:
@@ -239,54 +263,98 @@ def load_resharded(optimizer, folder, buffer_numel: int = 1 << 16) -> dict:
         metadata = json.load(file)
     saved = [[Piece(name, tuple(shape), start, numel, offset) for name, shape, start, numel, offset in r["pieces"]]
              for r in metadata["ranks"]]
-    steps = metadata["ranks"][0]["steps"]  # every rank saved every trainable parameter's count
-    wanted = shard_pieces(buffers_of(optimizer), optimizer.world_size, optimizer.rank)
-    names = parameter_names(optimizer.model)
-    for tensor, _, _ in _states(optimizer):  # a fresh optimizer: AdamW's states, to be overwritten
-        state = optimizer.optimizer.state[tensor]
-        state.setdefault("step", torch.tensor(0.0))
-        for key in metadata["keys"][1:]:
-            state.setdefault(key, torch.zeros_like(tensor))
-    trained = set(steps)
     buffer = torch.empty(buffer_numel, dtype=torch.float32)
-    stats = {"bytes_read": 0, "shard_bytes": 0, "reads": 0, "buffer_bytes": buffer.nbytes}
-    for key in metadata["keys"]:
-        pieces = wanted if key == MASTER else [p for p in wanted if p.name in trained]
-        plan = load_plan(saved, pieces)
+
+    def read(key, plan, put):
         files = {rank: open(os.path.join(folder, f"rank{rank}.{key}.bin"), "rb") for rank in {r.rank for r in plan}}
         try:
-            stats["bytes_read"] += read_pieces(plan, files, _put(_segments(optimizer, key)), buffer)
+            return read_pieces(plan, files, put, buffer)
         finally:
             for file in files.values():
                 file.close()
-        stats["shard_bytes"] += sum(p.numel for p in pieces) * buffer.element_size()
-        stats["reads"] += len(plan)
-    _restore_steps(optimizer, names, steps)
-    for group, options in zip(optimizer.param_groups, metadata["param_groups"]):
-        group.update({k: type(group[k])(v) if isinstance(group.get(k), tuple) else v for k, v in options.items()})
-    _refresh_weights(optimizer)
-    return stats
+
+    figures = _fill(optimizer, saved, metadata["keys"], metadata["ranks"][0]["steps"], metadata["param_groups"], read)
+    return {**figures, "buffer_bytes": buffer.nbytes}
 
 
-def _restore_steps(optimizer, names, steps: dict[str, float]) -> None:
-    for tensor, _, b in _states(optimizer):
+def _fill(optimizer, saved: list[list[Piece]], keys: list[str], steps: dict, options: list[dict], read) -> dict:
+    """Fill this rank's masters and moments through read(key, plan, put) -> bytes, then its step counts, the
+    param groups' options and the model's weights. Every rank calls it (stages 1 and 2 all-gather the weights)."""
+    wanted = shard_pieces(buffers_of(optimizer), optimizer.world_size, optimizer.rank)
+    for tensor, _, _ in _states(optimizer):  # a fresh optimizer: AdamW's states, to be overwritten
         state = optimizer.optimizer.state[tensor]
-        if optimizer.stage == 3:
-            piece = next(s for s in optimizer.units[b].slices if s.master is tensor)
-            state["step"] = torch.tensor(steps[names[piece.param]])
-            continue
-        counts = [steps[names[p]] for p in optimizer.groups[b].params]
+        state.setdefault("step", torch.tensor(0.0))
+        for key in keys[1:]:
+            state.setdefault(key, torch.zeros_like(tensor))
+    figures = {"bytes_read": 0, "shard_bytes": 0, "reads": 0}
+    for key in keys:
+        pieces = wanted if key == MASTER else [p for p in wanted if p.name in steps]  # moments: trainable only
+        plan = load_plan(saved, pieces)
+        figures["bytes_read"] += read(key, plan, _put(_segments(optimizer, key)))
+        figures["shard_bytes"] += sum(p.numel for p in pieces) * 4
+        figures["reads"] += len(plan)
+    names = parameter_names(optimizer.model)
+    for tensor, _, params in _states(optimizer):
+        counts = [steps[names[p]] for p in params]
+        state = optimizer.optimizer.state[tensor]
         state["step"] = torch.tensor(max(counts))  # as lesson 03 keeps them: the group's count, and each one's
         state.pop("param_steps", None)
         if len(set(counts)) > 1:
             state["param_steps"] = torch.tensor(counts)
-
-
-def _refresh_weights(optimizer) -> None:
-    """The model's weights follow the loaded masters: stage 3's shards, stages 1 and 2's all-gathered flat buffers."""
-    for buffer in optimizer.groups:
+    for group, saved_options in zip(optimizer.param_groups, options):
+        group.update({k: type(group[k])(v) if isinstance(group.get(k), tuple) else v for k, v in saved_options.items()})
+    for buffer in optimizer.groups:  # the model's weights follow the masters
         if optimizer.stage == 3:
             if buffer.shard is not buffer.master:
                 buffer.shard.copy_(buffer.master)
         else:
             dist.all_gather_single(buffer.flat_param, buffer.master.to(buffer.flat_param.dtype))
+    return figures
+
+
+def load_state_dicts(optimizer, states: list) -> dict:
+    """optimizer.load_state_dict(list) of stages 1-3: every saved rank's state_dict(), or its torch.save file's
+    path (opened with mmap: only the bytes this rank needs are read), in rank order, at any world size; every
+    rank calls it. The saved ranks' layouts follow from this optimizer's model and the saved world size."""
+    from zero_lab.zero1 import Zero1Optimizer
+    from zero_lab.zero2 import Zero2Optimizer
+    from zero_lab.zero3 import Zero3Optimizer
+    if type(optimizer) not in (Zero1Optimizer, Zero2Optimizer, Zero3Optimizer):
+        raise ValueError(f"{type(optimizer).__name__} loads its own rank's state_dict() at the same world size: "
+                         "resharding (a list of state dicts) is built for stages 1-3 without offload, hpZ or Muon; "
+                         "load a consolidated_state_dict() into any other setup")
+    states = [torch.load(s, map_location="cpu", mmap=True, weights_only=True) if isinstance(s, (str, os.PathLike)) else s
+              for s in states]
+    world_size, numels = len(states), [buffer.layout.numel for buffer in optimizer.groups]
+    for rank, state in enumerate(states):
+        if (state.get("stage", optimizer.stage), state.get("rank"), state.get("world_size"), state.get("numels")) != (
+                optimizer.stage, rank, world_size, numels):
+            raise ValueError(f"state dict {rank} of the list is rank {state.get('rank')} of {state.get('world_size')} "
+                             f"(stage {state.get('stage')}, buffers of {state.get('numels')} elements): give every saved "
+                             f"rank's state dict, in rank order, saved from this model and param groups at stage "
+                             f"{optimizer.stage} (buffers of {numels} elements)")
+    layouts = [describe(optimizer, world_size, rank) for rank in range(world_size)]
+    saved = [shard_pieces(layout["buffers"], world_size, rank) for rank, layout in enumerate(layouts)]
+    inner = [state["optimizer"]["state"] for state in states]
+    keys = [MASTER] + sorted({k for s in inner for values in s.values() for k, v in values.items()
+                              if torch.is_tensor(v) and v.dim() and k != "param_steps"})
+
+    def sources(rank: int, key: str) -> list[tuple[int, torch.Tensor]]:
+        if key == MASTER:
+            bases = [0]
+            for master in states[rank]["masters"]:
+                bases.append(bases[-1] + master.numel())
+            return list(zip(bases, states[rank]["masters"]))
+        return sorted(((offset, inner[rank][i][key]) for i, offset in enumerate(layouts[rank]["offsets"])
+                       if i in inner[rank] and inner[rank][i][key].numel()), key=lambda segment: segment[0])
+
+    def read(key, plan, put):
+        segments, total = {rank: sources(rank, key) for rank in {r.rank for r in plan}}, 0
+        for r in plan:
+            for at, view in _parts(segments[r.rank], r.offset, r.numel):
+                put(r.to + at - r.offset, view)
+                total += view.nbytes
+        return total
+
+    options = [{k: v for k, v in group.items() if k != "params"} for group in states[0]["optimizer"]["param_groups"]]
+    return _fill(optimizer, saved, keys, _steps(layouts[0], inner[0]), options, read)
