@@ -11,11 +11,12 @@ import torch
 
 import nbformat
 from graded_cells import _define_helpers, assert_mutant_fails, assert_reference_full_and_learner_zero
-from zero_lab import launch, prepare
+from zero_lab import RankFailed, launch, prepare, reshard
 from zero_lab.memory_ledger import model_state_bytes
 from zero_lab.models import GPT, GPTConfig
 from zero_lab.data import shard_batch, token_batches
-from zero_lab.reshard import METADATA, Piece, Read, load_plan, load_resharded, save_resharded, shard_pieces
+from zero_lab.reshard import (METADATA, Piece, Read, load_plan, load_resharded, open_checkpoint, save_resharded,
+                              shard_pieces)
 from zero_lab.course_tools.implementation import REPO
 from zero_lab.zero_r import bytes_during
 
@@ -71,15 +72,16 @@ def continue_from_consolidated(stage, full):
 
 @pytest.mark.parametrize("stage, saved_world, world", [(2, 3, 2), (3, 1, 3), (1, 4, 1)])
 def test_a_resharded_resume_holds_the_saved_state_and_trains_like_a_consolidated_one(tmp_path, stage, saved_world, world):
-    saved = launch(save, saved_world, stage, str(tmp_path), timeout=60)[0]
-    results = launch(resume, world, stage, str(tmp_path), 16, timeout=60)
+    folder = tmp_path / "checkpoint"
+    saved = launch(save, saved_world, stage, str(folder), timeout=60)[0]
+    results = launch(resume, world, stage, str(folder), 16, timeout=60)
     assert results[0][3] == saved  # masters, moments and step counts, bit for bit
-    checkpoint_bytes = sum(os.path.getsize(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith(".bin"))
+    checkpoint_bytes = sum(os.path.getsize(folder / f) for f in os.listdir(folder) if f.endswith(".bin"))
     for figures, peak, same_memory, _, _ in results:
         assert figures["bytes_read"] == figures["shard_bytes"] and same_memory
         assert figures["buffer_bytes"] == 64 and peak <= 64 + 1024  # the read buffer, and 0-dim step counters
         assert world == 1 or figures["bytes_read"] < checkpoint_bytes / (world - 0.5)  # about 1/M of the checkpoint
-    metadata = json.loads((tmp_path / METADATA).read_text())
+    metadata = json.loads((folder / METADATA).read_text())
     assert sum(r[0]["bytes_read"] for r in results) == sum(p[3] for r in metadata["ranks"] for p in r["pieces"]) * 3 * 4
 
 
@@ -87,9 +89,9 @@ def consolidated_after(stage, folder):
     model, optimizer = make(stage)
     train(model, optimizer, BATCHES[:3])
     full = optimizer.consolidated_state_dict()
+    save_resharded(optimizer, folder)
     if full is not None:
         torch.save(full, os.path.join(folder, "full.pt"))
-    save_resharded(optimizer, folder)
 
 
 def both_ways(stage, folder):
@@ -107,8 +109,8 @@ def both_ways(stage, folder):
 
 def test_resharded_and_consolidated_loads_continue_alike_and_hold_the_same_bytes(tmp_path):
     """Lesson 03's consolidated load keeps each rank's shard of the moments, not a view of the whole buffer."""
-    launch(consolidated_after, 2, 1, str(tmp_path), timeout=60)
-    for rank, (held, continued) in enumerate(launch(both_ways, 3, 1, str(tmp_path), timeout=60)):
+    launch(consolidated_after, 2, 1, str(tmp_path / "checkpoint"), timeout=60)
+    for rank, (held, continued) in enumerate(launch(both_ways, 3, 1, str(tmp_path / "checkpoint"), timeout=60)):
         assert held[0] == held[1], f"rank {rank}: {held}"
         if rank == 0:
             assert continued[0] == continued[1]
@@ -269,3 +271,72 @@ def test_a_state_dict_of_another_world_is_refused_naming_the_list():
     assert "sharded for 3 ranks" in single and "list of all saved ranks' state dicts" in single
     assert "state dict 0 of the list is rank 0 of 2" in listed
     launch(offloaded_refuses, 1, timeout=60)
+
+
+# Nothing lost: a rank killed while saving, a shard cut short or corrupted, another model
+def killed_while_saving(folder, victim):
+    model, optimizer = make(1)
+    train(model, optimizer, BATCHES[:2])
+    save_resharded(optimizer, os.path.join(folder, "step2"))
+    train(model, optimizer, BATCHES[2:3])
+    if optimizer.rank == victim:
+        opened = []
+
+        def open_until_killed(*args, **kwargs):
+            opened.append(args[0])
+            if len(opened) > 2:
+                os._exit(1)
+            return open(*args, **kwargs)
+
+        reshard.open = open_until_killed  # the module's name comes before the builtin
+    save_resharded(optimizer, os.path.join(folder, "step3"))
+
+
+def load_step(folder):
+    model, optimizer = make(1, seed=1)
+    load_resharded(optimizer, folder)
+    return plain(optimizer.consolidated_state_dict())
+
+
+def saved_step2():
+    model, optimizer = make(1)
+    train(model, optimizer, BATCHES[:2])
+    return plain(optimizer.consolidated_state_dict())
+
+
+def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_and_no_new_one(tmp_path):
+    with pytest.raises(RankFailed):
+        launch(killed_while_saving, 3, str(tmp_path), 1, timeout=60)
+    with pytest.raises(ValueError, match=r"step3 is not a finished checkpoint: its metadata.json.*is missing; .*step3.partial "
+                                         r"holds only rank0.exp_avg.bin, .*rank1.exp_avg.bin, rank1.master.bin, rank2"):
+        open_checkpoint(tmp_path / "step3")
+    assert not (tmp_path / "step3").exists()
+    assert launch(load_step, 2, str(tmp_path / "step2"), timeout=60)[0] == launch(saved_step2, 3, timeout=60)[0]
+    with pytest.raises(RankFailed, match="FileExistsError: .*step2 exists"):
+        launch(save, 1, 1, str(tmp_path / "step2"), timeout=60)
+
+
+def test_a_damaged_shard_or_another_model_is_refused_by_name(tmp_path):
+    folder = tmp_path / "checkpoint"
+    launch(save, 2, 3, str(folder), timeout=60)
+    shard = folder / "rank1.exp_avg_sq.bin"
+    data = bytearray(shard.read_bytes())
+    data[40] ^= 1
+    shard.write_bytes(bytes(data))
+    open_checkpoint(folder)  # sizes only: a flipped bit passes
+    with pytest.raises(ValueError, match=r"rank1.exp_avg_sq.bin is corrupted: its SHA-256"):
+        open_checkpoint(folder, verify=True)
+    shard.write_bytes(bytes(data[:-4]))
+    with pytest.raises(ValueError, match=r"rank1.exp_avg_sq.bin is truncated or grew: 4,108 bytes, saved 4,112"):
+        open_checkpoint(folder)
+    wider = GPTConfig(vocab_size=29, n_layer=2, n_head=2, n_embd=12, block_size=8)
+    with pytest.raises(RankFailed, match="transformer.wte.weight was saved with shape"):
+        launch(load_other_model, 1, str(tmp_path / "other"), wider, timeout=60)
+
+
+def load_other_model(folder, config):
+    model, optimizer = make(3)
+    train(model, optimizer, BATCHES[:1])
+    save_resharded(optimizer, folder)
+    other = prepare(GPT(config, seed=0), torch.optim.AdamW, stage=3, lr=1e-2)[1]
+    load_resharded(other, folder)

@@ -8,17 +8,21 @@ buffers_of        those lists for a ZeRO optimizer of stage 1, 2 (param groups) 
 Read              one read of a load plan: elements of a saved rank's file into this rank's shards
 load_plan         every read a rank of the new world makes, from the saved pieces and its own
 read_pieces       carry out a plan through one bounded read buffer; the bytes read
-save_resharded    every rank writes its shards and its pieces; rank 0 writes the manifest last
+save_resharded    every rank writes its shards; rank 0 writes their pieces last and renames the folder (the commit)
+open_checkpoint   a finished checkpoint's metadata, its files checked (missing, truncated, corrupted: named)
 load_resharded    every rank of any world size reads only the byte ranges its own shards need
+load_state_dicts  the same from every saved rank's optimizer.state_dict() (zero_lab.prepare's optimizers)
 
 The files are the same on every stage: per rank, one raw fp32 file per state (the master weights,
 Adam's exp_avg and exp_avg_sq), its shards laid end to end, and a JSON file of its pieces and step
 counts, the self-describing metadata torch.distributed.checkpoint keeps in its .metadata file.
 """
 
+import hashlib
 import json
 import math
 import os
+import shutil
 from bisect import bisect_right
 from collections import defaultdict
 from typing import NamedTuple
@@ -227,56 +231,6 @@ def _put(segments):
     return put
 
 
-@torch.no_grad()
-def save_resharded(optimizer, folder) -> None:
-    """Every rank writes its shards (one raw file per state) and hands its pieces to rank 0, which writes
-    metadata.json last. Every rank calls it, after a step (AdamW's states exist)."""
-    rank, world_size = optimizer.rank, optimizer.world_size
-    os.makedirs(folder, exist_ok=True)
-    total = sum(buffer.layout.shard_numel for buffer in optimizer.groups)
-    keys = [MASTER] + sorted({k for t, _, _ in _states(optimizer) for k, v in optimizer.optimizer.state.get(t, {}).items()
-                              if torch.is_tensor(v) and v.dim() and k != "param_steps"})
-    for key in keys:
-        shards = torch.zeros(total, dtype=torch.float32)  # padding and frozen parameters' moments stay zero
-        for offset, tensor in _segments(optimizer, key):
-            shards[offset:offset + tensor.numel()] = tensor
-        with open(os.path.join(folder, f"rank{rank}.{key}.bin"), "wb") as file:
-            file.write(memoryview(shards.numpy()).cast("B"))
-    layout = describe(optimizer)
-    mine = {"pieces": [list(p) for p in shard_pieces(layout["buffers"], world_size, rank)],
-            "steps": _steps(layout, optimizer.optimizer.state_dict()["state"])}
-    everyone = [None] * world_size if rank == 0 else None
-    dist.gather_object(mine, everyone, dst=0)
-    if rank == 0:
-        options = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-        with open(os.path.join(folder, METADATA), "w") as file:
-            json.dump({"world_size": world_size, "stage": optimizer.stage, "keys": keys, "param_groups": options,
-                       "ranks": everyone}, file)
-    dist.barrier()  # nobody returns before the checkpoint is whole
-
-
-@torch.no_grad()
-def load_resharded(optimizer, folder, buffer_numel: int = 1 << 16) -> dict:
-    """Load a save_resharded checkpoint of any world size into this rank's shards; every rank calls it.
-    Returns {"bytes_read", "shard_bytes" (what this rank holds of the saved states), "reads", "buffer_bytes"}."""
-    with open(os.path.join(folder, METADATA)) as file:
-        metadata = json.load(file)
-    saved = [[Piece(name, tuple(shape), start, numel, offset) for name, shape, start, numel, offset in r["pieces"]]
-             for r in metadata["ranks"]]
-    buffer = torch.empty(buffer_numel, dtype=torch.float32)
-
-    def read(key, plan, put):
-        files = {rank: open(os.path.join(folder, f"rank{rank}.{key}.bin"), "rb") for rank in {r.rank for r in plan}}
-        try:
-            return read_pieces(plan, files, put, buffer)
-        finally:
-            for file in files.values():
-                file.close()
-
-    figures = _fill(optimizer, saved, metadata["keys"], metadata["ranks"][0]["steps"], metadata["param_groups"], read)
-    return {**figures, "buffer_bytes": buffer.nbytes}
-
-
 def _fill(optimizer, saved: list[list[Piece]], keys: list[str], steps: dict, options: list[dict], read) -> dict:
     """Fill this rank's masters and moments through read(key, plan, put) -> bytes, then its step counts, the
     param groups' options and the model's weights. Every rank calls it (stages 1 and 2 all-gather the weights)."""
@@ -310,6 +264,103 @@ def _fill(optimizer, saved: list[list[Piece]], keys: list[str], steps: dict, opt
         else:
             dist.all_gather_single(buffer.flat_param, buffer.master.to(buffer.flat_param.dtype))
     return figures
+
+
+def _digest(path: str) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+@torch.no_grad()
+def save_resharded(optimizer, folder) -> None:
+    """Save a checkpoint into the new folder `folder`; every rank calls it, after a step (AdamW's states exist).
+
+    Every rank writes its shards (one raw fp32 file per state) into `folder`.partial and hands its pieces, step
+    counts and files' sizes and SHA-256 to rank 0, which writes metadata.json there once every rank is done,
+    then renames the folder: a save cut short (a rank killed) leaves no `folder`, and earlier checkpoints as
+    they were."""
+    rank, world_size = optimizer.rank, optimizer.world_size
+    folder, partial = os.fspath(folder), f"{os.fspath(folder)}.partial"
+    if os.path.exists(folder):
+        raise FileExistsError(f"{folder} exists: save each checkpoint into a new folder (the old one stays loadable)")
+    if rank == 0:  # what a save cut short left behind
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    dist.barrier()
+    total = sum(buffer.layout.shard_numel for buffer in optimizer.groups)
+    keys = [MASTER] + sorted({k for t, _, _ in _states(optimizer) for k, v in optimizer.optimizer.state.get(t, {}).items()
+                              if torch.is_tensor(v) and v.dim() and k != "param_steps"})
+    files = {}
+    for key in keys:
+        shards = torch.zeros(total, dtype=torch.float32)  # padding and frozen parameters' moments stay zero
+        for offset, tensor in _segments(optimizer, key):
+            shards[offset:offset + tensor.numel()] = tensor
+        name = f"rank{rank}.{key}.bin"
+        with open(os.path.join(partial, name), "wb") as file:
+            file.write(memoryview(shards.numpy()).cast("B"))
+            file.flush()
+            os.fsync(file.fileno())
+        files[name] = {"bytes": shards.nbytes, "sha256": hashlib.sha256(memoryview(shards.numpy()).cast("B")).hexdigest()}
+    layout = describe(optimizer)
+    mine = {"pieces": [list(p) for p in shard_pieces(layout["buffers"], world_size, rank)],
+            "steps": _steps(layout, optimizer.optimizer.state_dict()["state"]), "files": files}
+    everyone = [None] * world_size if rank == 0 else None
+    dist.gather_object(mine, everyone, dst=0)  # returns on rank 0 once every rank has written its files
+    if rank == 0:
+        options = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        with open(os.path.join(partial, METADATA), "w") as file:
+            json.dump({"world_size": world_size, "stage": optimizer.stage, "keys": keys, "param_groups": options,
+                       "ranks": everyone}, file)
+        os.replace(partial, folder)  # the commit: one rename
+    dist.barrier()  # nobody returns before the checkpoint is whole
+
+
+def open_checkpoint(folder, verify: bool = False) -> dict:
+    """metadata.json of a finished checkpoint, its files checked: present and of their saved size (and with
+    verify, their SHA-256: that reads every file whole). Refused with ValueError naming what is missing or damaged."""
+    folder = os.fspath(folder)
+    if not os.path.exists(os.path.join(folder, METADATA)):
+        partial = f"{folder}.partial"
+        held = sorted(os.listdir(partial)) if os.path.isdir(partial) else []
+        raise ValueError(f"{folder} is not a finished checkpoint: its metadata.json, written once every rank has saved, "
+                         "is missing" + (f"; {partial} holds only {', '.join(held) or 'nothing'} (a rank stopped while "
+                                         "saving): load an earlier checkpoint" if os.path.isdir(partial) else ""))
+    with open(os.path.join(folder, METADATA)) as file:
+        metadata = json.load(file)
+    for saved in metadata["ranks"]:
+        for name, expected in saved["files"].items():
+            path = os.path.join(folder, name)
+            if not os.path.exists(path):
+                raise ValueError(f"{path} is missing from the checkpoint")
+            if os.path.getsize(path) != expected["bytes"]:
+                raise ValueError(f"{path} is truncated or grew: {os.path.getsize(path):,} bytes, saved {expected['bytes']:,}")
+            if verify and _digest(path) != expected["sha256"]:
+                raise ValueError(f"{path} is corrupted: its SHA-256 is not the one saved with it")
+    return metadata
+
+
+@torch.no_grad()
+def load_resharded(optimizer, folder, buffer_numel: int = 1 << 16, verify: bool = False) -> dict:
+    """Load a save_resharded checkpoint of any world size into this rank's shards; every rank calls it.
+    Returns {"bytes_read", "shard_bytes" (what this rank holds of the saved states), "reads", "buffer_bytes"}."""
+    metadata = open_checkpoint(folder, verify)
+    saved = [[Piece(name, tuple(shape), start, numel, offset) for name, shape, start, numel, offset in r["pieces"]]
+             for r in metadata["ranks"]]
+    buffer = torch.empty(buffer_numel, dtype=torch.float32)
+
+    def read(key, plan, put):
+        files = {rank: open(os.path.join(folder, f"rank{rank}.{key}.bin"), "rb") for rank in {r.rank for r in plan}}
+        try:
+            return read_pieces(plan, files, put, buffer)
+        finally:
+            for file in files.values():
+                file.close()
+
+    figures = _fill(optimizer, saved, metadata["keys"], metadata["ranks"][0]["steps"], metadata["param_groups"], read)
+    return {**figures, "buffer_bytes": buffer.nbytes}
 
 
 def load_state_dicts(optimizer, states: list) -> dict:
