@@ -235,11 +235,7 @@ def _fill(optimizer, saved: list[list[Piece]], keys: list[str], steps: dict, opt
     """Fill this rank's masters and moments through read(key, plan, put) -> bytes, then its step counts, the
     param groups' options and the model's weights. Every rank calls it (stages 1 and 2 all-gather the weights)."""
     wanted = shard_pieces(buffers_of(optimizer), optimizer.world_size, optimizer.rank)
-    for tensor, _, _ in _states(optimizer):  # a fresh optimizer: AdamW's states, to be overwritten
-        state = optimizer.optimizer.state[tensor]
-        state.setdefault("step", torch.tensor(0.0))
-        for key in keys[1:]:
-            state.setdefault(key, torch.zeros_like(tensor))
+    _new_states(optimizer, keys[1:])
     figures = {"bytes_read": 0, "shard_bytes": 0, "reads": 0}
     for key in keys:
         pieces = wanted if key == MASTER else [p for p in wanted if p.name in steps]  # moments: trainable only
@@ -247,6 +243,22 @@ def _fill(optimizer, saved: list[list[Piece]], keys: list[str], steps: dict, opt
         figures["bytes_read"] += read(key, plan, _put(_segments(optimizer, key)))
         figures["shard_bytes"] += sum(p.numel for p in pieces) * 4
         figures["reads"] += len(plan)
+    _finish_load(optimizer, steps, options)
+    return figures
+
+
+def _new_states(optimizer, keys) -> None:
+    """AdamW's states for a fresh optimizer (none before its first step), to be overwritten by a load."""
+    for tensor, _, _ in _states(optimizer):
+        state = optimizer.optimizer.state[tensor]
+        state.setdefault("step", torch.tensor(0.0))
+        for key in keys:
+            state.setdefault(key, torch.zeros_like(tensor))
+
+
+def _finish_load(optimizer, steps: dict, options: list[dict]) -> None:
+    """After the masters and moments: each parameter's step count, the param groups' options, and the model's
+    weights, which follow the masters (stage 3's shards; stages 1 and 2 all-gather their flat buffers)."""
     names = parameter_names(optimizer.model)
     for tensor, _, params in _states(optimizer):
         counts = [steps[names[p]] for p in params]
@@ -256,14 +268,14 @@ def _fill(optimizer, saved: list[list[Piece]], keys: list[str], steps: dict, opt
         if len(set(counts)) > 1:
             state["param_steps"] = torch.tensor(counts)
     for group, saved_options in zip(optimizer.param_groups, options):
-        group.update({k: type(group[k])(v) if isinstance(group.get(k), tuple) else v for k, v in saved_options.items()})
-    for buffer in optimizer.groups:  # the model's weights follow the masters
+        group.update({k: type(group[k])(v) if isinstance(group.get(k), tuple) else v for k, v in saved_options.items()
+                      if k != "params"})
+    for buffer in optimizer.groups:
         if optimizer.stage == 3:
             if buffer.shard is not buffer.master:
                 buffer.shard.copy_(buffer.master)
         else:
             dist.all_gather_single(buffer.flat_param, buffer.master.to(buffer.flat_param.dtype))
-    return figures
 
 
 def _digest(path: str) -> str:
@@ -361,6 +373,94 @@ def load_resharded(optimizer, folder, buffer_numel: int = 1 << 16, verify: bool 
 
     figures = _fill(optimizer, saved, metadata["keys"], metadata["ranks"][0]["steps"], metadata["param_groups"], read)
     return {**figures, "buffer_bytes": buffer.nbytes}
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's, under the names torch.optim.AdamW's state dict gives them
+
+
+def _boxes(shape, start: int, numel: int) -> list[tuple[list[int], list[int], int]]:
+    """(offsets, sizes, elements) of the boxes that tile elements [start, start + numel) of a flattened tensor of
+    `shape` (at most 2-D: a part of a row, whole rows, a part of a row), in order: DCP's chunks are boxes."""
+    if len(shape) <= 1:
+        return [([start], [numel], numel)]
+    if len(shape) > 2:
+        raise ValueError(f"a parameter of shape {tuple(shape)}: DCP chunks of more than 2 dimensions are not built here")
+    row, boxes, at, end = shape[1], [], start, start + numel
+    while at < end:
+        r, c = divmod(at, row)
+        if c or end - at < row:
+            boxes.append(([r, c], [1, min(row - c, end - at)], min(row - c, end - at)))
+        else:
+            boxes.append(([r, 0], [(end - at) // row, row], (end - at) // row * row))
+        at += boxes[-1][2]
+    return boxes
+
+
+def _sharded(shape, pieces: list[Piece], segments, rank: int):
+    """A ShardedTensor of `shape` whose local shards are views of this rank's tensors: DCP reads and writes them."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+    local = []
+    for piece in pieces:
+        at = piece.offset
+        for offsets, sizes, count in _boxes(shape, piece.start, piece.numel):
+            (_, view), = _parts(segments, at, count)
+            local.append(Shard(view.view(sizes), ShardMetadata(offsets, sizes, f"rank:{rank}/cpu")))
+            at += count
+    if not local:  # an empty box at the far corner: a ShardedTensor without local shards looks for its device on
+        # CUDA, and a box at another rank's offset would be taken for that rank's (DCP keys chunks by offset)
+        local.append(Shard(segments[0][1].new_empty([0] * len(shape)), ShardMetadata(list(shape), [0] * len(shape),
+                                                                                   f"rank:{rank}/cpu")))
+    return ShardedTensor._init_from_local_shards(local, *shape)  # every rank calls it: it checks the boxes tile
+
+
+def dcp_state_dict(optimizer) -> dict:
+    """This rank's training state as torch.distributed.checkpoint takes it, with the keys FSDP2's
+    get_state_dict(model, optimizer) gives: {"model": {name: ...}, "optim": {"state": {name: {"step",
+    "exp_avg", "exp_avg_sq"}}, "param_groups": [...]}}, each tensor a ShardedTensor of views of this rank's
+    masters and moments (so dcp.save writes them and dcp.load fills them in place). Every rank calls it."""
+    layout = describe(optimizer)
+    shapes = {name: shape for buffer in layout["buffers"] for name, shape in buffer}
+    pieces = defaultdict(list)
+    for piece in shard_pieces(layout["buffers"], optimizer.world_size, optimizer.rank):
+        pieces[piece.name].append(piece)
+    names = parameter_names(optimizer.model)
+    segments = {key: _segments(optimizer, key) for key in (MASTER, *MOMENTS)}
+    steps = _steps(layout, optimizer.optimizer.state_dict()["state"])
+    model = {name: _sharded(shapes[names[p]], pieces[names[p]], segments[MASTER], optimizer.rank)
+             for name, p in optimizer.model.named_parameters(remove_duplicate=False)  # a tied weight under each name
+             if names[p] in shapes}  # stages 1 and 2 leave frozen parameters to the model
+    state = {name: {"step": torch.tensor(step), **{key: _sharded(shapes[name], pieces[name], segments[key], optimizer.rank)
+                                                   for key in MOMENTS}} for name, step in steps.items()}
+    groups = [{**{k: v for k, v in options.items() if k != "params"}, "params": [names[p] for p in params]}
+              for options, params in zip(optimizer.param_groups, _group_params(optimizer))]
+    return {"model": model, "optim": {"state": state, "param_groups": groups}}
+
+
+def _group_params(optimizer) -> list[list]:
+    """The trainable parameters of each param group."""
+    if optimizer.stage == 3:
+        return optimizer.group_params
+    return [group.params for group in optimizer.groups]
+
+
+def save_dcp(optimizer, path) -> None:
+    """dcp.save of this rank's training state (dcp_state_dict); every rank calls it, after a step."""
+    import torch.distributed.checkpoint as dcp
+    dcp.save(dcp_state_dict(optimizer), checkpoint_id=os.fspath(path))
+
+
+@torch.no_grad()
+def load_dcp(optimizer, path) -> None:
+    """dcp.load into this rank's masters and moments, from a DCP checkpoint saved at any world size by save_dcp or by
+    FSDP2 (dcp.save of get_state_dict(model, optimizer) with torch.optim.AdamW); every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+    _new_states(optimizer, MOMENTS)
+    state = dcp_state_dict(optimizer)
+    dcp.load(state, checkpoint_id=os.fspath(path))  # the ShardedTensors' views: straight into the live tensors
+    steps = {name: float(values["step"]) for name, values in state["optim"]["state"].items()}
+    _finish_load(optimizer, steps, state["optim"]["param_groups"])
 
 
 def load_state_dicts(optimizer, states: list) -> dict:
