@@ -401,3 +401,20 @@ def test_a_dcp_checkpoint_moves_between_zero_lab_stage_3_and_fsdp2_at_another_wo
             a, b = torch.cat([a[:CONFIG.n_embd], a[2 * CONFIG.n_embd:]]), torch.cat([b[:CONFIG.n_embd], b[2 * CONFIG.n_embd:]])
         # gradient sums in another order: a few ulps of each gradient, carried through 3 AdamW steps (rtol ~80 ulps)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def save_while_training(folder):
+    model, optimizer = make(2)
+    train(model, optimizer, BATCHES[:2])
+    at_step_2 = plain(optimizer.consolidated_state_dict())
+    pending = reshard.AsyncSave(optimizer, folder)
+    train(model, optimizer, BATCHES[2:4])  # the live masters and moments change while the files are written
+    assert not os.path.exists(folder)  # not committed before finish()
+    pending.finish()
+    return at_step_2
+
+
+def test_an_asynchronous_save_holds_the_step_it_was_started_after(tmp_path):
+    folder = str(tmp_path / "checkpoint")
+    at_step_2 = launch(save_while_training, 2, folder, timeout=60)[0]
+    assert launch(load_step, 3, folder, timeout=60)[0] == at_step_2  # weights, moments, step counts of step 2 (loaded at stage 1)

@@ -9,6 +9,7 @@ Read              one read of a load plan: elements of a saved rank's file into 
 load_plan         every read a rank of the new world makes, from the saved pieces and its own
 read_pieces       carry out a plan through one bounded read buffer; the bytes read
 save_resharded    every rank writes its shards; rank 0 writes their pieces last and renames the folder (the commit)
+AsyncSave         the same save, its files written by a thread while training goes on; finish() commits
 open_checkpoint   a finished checkpoint's metadata, its files checked (missing, truncated, corrupted: named)
 load_resharded    every rank of any world size reads only the byte ranges its own shards need
 load_state_dicts  the same from every saved rank's optimizer.state_dict() (zero_lab.prepare's optimizers)
@@ -25,6 +26,7 @@ import os
 import shutil
 from bisect import bisect_right
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
@@ -294,40 +296,66 @@ def save_resharded(optimizer, folder) -> None:
     counts and files' sizes and SHA-256 to rank 0, which writes metadata.json there once every rank is done,
     then renames the folder: a save cut short (a rank killed) leaves no `folder`, and earlier checkpoints as
     they were."""
-    rank, world_size = optimizer.rank, optimizer.world_size
-    folder, partial = os.fspath(folder), f"{os.fspath(folder)}.partial"
-    if os.path.exists(folder):
-        raise FileExistsError(f"{folder} exists: save each checkpoint into a new folder (the old one stays loadable)")
-    if rank == 0:  # what a save cut short left behind
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
-    dist.barrier()
-    total = sum(buffer.layout.shard_numel for buffer in optimizer.groups)
-    keys = [MASTER] + sorted({k for t, _, _ in _states(optimizer) for k, v in optimizer.optimizer.state.get(t, {}).items()
-                              if torch.is_tensor(v) and v.dim() and k != "param_steps"})
-    files = {}
-    for key in keys:
-        shards = torch.zeros(total, dtype=torch.float32)  # padding and frozen parameters' moments stay zero
-        for offset, tensor in _segments(optimizer, key):
-            shards[offset:offset + tensor.numel()] = tensor
-        name = f"rank{rank}.{key}.bin"
-        with open(os.path.join(partial, name), "wb") as file:
-            file.write(memoryview(shards.numpy()).cast("B"))
-            file.flush()
-            os.fsync(file.fileno())
-        files[name] = {"bytes": shards.nbytes, "sha256": hashlib.sha256(memoryview(shards.numpy()).cast("B")).hexdigest()}
-    layout = describe(optimizer)
-    mine = {"pieces": [list(p) for p in shard_pieces(layout["buffers"], world_size, rank)],
-            "steps": _steps(layout, optimizer.optimizer.state_dict()["state"]), "files": files}
-    everyone = [None] * world_size if rank == 0 else None
-    dist.gather_object(mine, everyone, dst=0)  # returns on rank 0 once every rank has written its files
-    if rank == 0:
-        options = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-        with open(os.path.join(partial, METADATA), "w") as file:
-            json.dump({"world_size": world_size, "stage": optimizer.stage, "keys": keys, "param_groups": options,
-                       "ranks": everyone}, file)
-        os.replace(partial, folder)  # the commit: one rename
-    dist.barrier()  # nobody returns before the checkpoint is whole
+    AsyncSave(optimizer, folder, in_background=False).finish()
+
+
+class AsyncSave:
+    """A save whose writing overlaps training: at construction (every rank, between two steps) this rank's
+    states are copied to host memory, and a thread writes them into `folder`.partial; finish() (every rank,
+    later: before the next save, or at the end) waits for the thread and commits as save_resharded does.
+    The copy is the consistency point: the files hold the state after the step just taken, whatever the
+    steps taken while they are written do to the live tensors."""
+
+    def __init__(self, optimizer, folder, in_background: bool = True):
+        self.optimizer, self.folder, self.partial = optimizer, os.fspath(folder), f"{os.fspath(folder)}.partial"
+        if os.path.exists(self.folder):
+            raise FileExistsError(f"{self.folder} exists: save each checkpoint into a new folder (the old one stays "
+                                  "loadable)")
+        if optimizer.rank == 0:  # what a save cut short left behind
+            shutil.rmtree(self.partial, ignore_errors=True)
+            os.makedirs(self.partial)
+        dist.barrier()
+        total = sum(buffer.layout.shard_numel for buffer in optimizer.groups)
+        self.keys = [MASTER] + sorted({k for t, _, _ in _states(optimizer) for k, v in optimizer.optimizer.state.get(t, {}).items()
+                                       if torch.is_tensor(v) and v.dim() and k != "param_steps"})
+        shards = {}
+        for key in self.keys:  # the copy to host memory: padding and frozen parameters' moments stay zero
+            shards[key] = torch.zeros(total, dtype=torch.float32)
+            for offset, tensor in _segments(optimizer, key):
+                shards[key][offset:offset + tensor.numel()] = tensor
+        layout = describe(optimizer)
+        self.mine = {"pieces": [list(p) for p in shard_pieces(layout["buffers"], optimizer.world_size, optimizer.rank)],
+                     "steps": _steps(layout, optimizer.optimizer.state_dict()["state"])}
+        self.options = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        self.writer = ThreadPoolExecutor(1) if in_background else None
+        self.written = self.writer.submit(self._write, shards) if in_background else None
+        self.files = None if in_background else self._write(shards)
+
+    def _write(self, shards: dict) -> dict:
+        files = {}
+        for key, values in shards.items():
+            name, data = f"rank{self.optimizer.rank}.{key}.bin", memoryview(values.numpy()).cast("B")
+            with open(os.path.join(self.partial, name), "wb") as file:
+                file.write(data)
+                file.flush()
+                os.fsync(file.fileno())
+            files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        return files
+
+    def finish(self) -> None:
+        """Wait for this rank's files, then commit: rank 0 writes metadata.json once every rank's files are written,
+        and renames the folder. Every rank calls it."""
+        if self.written is not None:
+            self.files = self.written.result()
+            self.writer.shutdown()
+        everyone = [None] * self.optimizer.world_size if self.optimizer.rank == 0 else None
+        dist.gather_object({**self.mine, "files": self.files}, everyone, dst=0)  # on rank 0: every rank has written
+        if self.optimizer.rank == 0:
+            with open(os.path.join(self.partial, METADATA), "w") as file:
+                json.dump({"world_size": self.optimizer.world_size, "stage": self.optimizer.stage, "keys": self.keys,
+                           "param_groups": self.options, "ranks": everyone}, file)
+            os.replace(self.partial, self.folder)  # the commit: one rename
+        dist.barrier()  # nobody returns before the checkpoint is whole
 
 
 def open_checkpoint(folder, verify: bool = False) -> dict:
