@@ -19,6 +19,7 @@ from zero_lab.data import shard_batch, token_batches
 from zero_lab.reshard import (METADATA, Piece, Read, load_dcp, load_plan, load_resharded, open_checkpoint, save_dcp,
                               save_resharded, shard_pieces)
 from zero_lab.course_tools.implementation import REPO
+from zero_lab.train import train as train_script
 from zero_lab.zero_r import bytes_during
 
 CONFIG = GPTConfig(vocab_size=29, n_layer=2, n_head=2, n_embd=8, block_size=8)  # tied weights
@@ -418,3 +419,15 @@ def test_an_asynchronous_save_holds_the_step_it_was_started_after(tmp_path):
     folder = str(tmp_path / "checkpoint")
     at_step_2 = launch(save_while_training, 2, folder, timeout=60)[0]
     assert launch(load_step, 3, folder, timeout=60)[0] == at_step_2  # weights, moments, step counts of step 2 (loaded at stage 1)
+
+
+def test_the_training_script_resumes_from_its_last_checkpoint_on_any_world(tmp_path):
+    checkpoints = str(tmp_path / "checkpoints")
+    run = (2, 6, 12, 3e-3)  # stage, steps, global batch, lr
+    first = launch(train_script, 2, *run, checkpoint_dir=checkpoints, save_every=3, timeout=60)[0]
+    assert len(first) == 6 and sorted(os.listdir(checkpoints)) == ["step-000003", "step-000006"]
+    resumed = launch(train_script, 2, 2, 8, 12, 3e-3, checkpoint_dir=checkpoints, timeout=60)[0]
+    whole = launch(train_script, 2, 2, 8, 12, 3e-3, timeout=60)[0]
+    assert len(resumed) == 2 and resumed == whole[6:]  # steps 7 and 8, as if it had not stopped, bit for bit
+    smaller = launch(train_script, 1, 3, 8, 12, 3e-3, checkpoint_dir=checkpoints, timeout=60)[0]
+    assert len(smaller) == 2  # stage 3 on 1 rank, from stage 2's checkpoint of 2 ranks
