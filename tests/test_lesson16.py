@@ -5,7 +5,6 @@ LESSON = "16_checkpoints"
 
 import json
 import os
-import warnings
 
 import pytest
 import torch
@@ -368,7 +367,6 @@ def dcp_run(side, folder, saving):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    warnings.filterwarnings("ignore", category=FutureWarning)  # ShardedTensor's deprecation
     pair = make(3, seed=0 if saving else 1) if side == "zero_lab" else fsdp2(seed=0 if saving else 1)
     if saving:
         train(*pair, BATCHES[:3])
