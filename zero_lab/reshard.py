@@ -24,6 +24,7 @@ import json
 import math
 import os
 import shutil
+import warnings
 from bisect import bisect_right
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -473,10 +474,18 @@ def _group_params(optimizer) -> list[list]:
     return [group.params for group in optimizer.groups]
 
 
+def _quietly(call, *args, **kwargs):
+    """call(...) without torch's FutureWarning that ShardedTensor is deprecated: it is the type of DCP that takes
+    any boxes a rank holds, where a DTensor's placements cut every rank an equal part of each dimension."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Please use DTensor instead", FutureWarning)
+        return call(*args, **kwargs)
+
+
 def save_dcp(optimizer, path) -> None:
     """dcp.save of this rank's training state (dcp_state_dict); every rank calls it, after a step."""
     import torch.distributed.checkpoint as dcp
-    dcp.save(dcp_state_dict(optimizer), checkpoint_id=os.fspath(path))
+    _quietly(dcp.save, _quietly(dcp_state_dict, optimizer), checkpoint_id=os.fspath(path))
 
 
 @torch.no_grad()
@@ -485,8 +494,8 @@ def load_dcp(optimizer, path) -> None:
     FSDP2 (dcp.save of get_state_dict(model, optimizer) with torch.optim.AdamW); every rank calls it."""
     import torch.distributed.checkpoint as dcp
     _new_states(optimizer, MOMENTS)
-    state = dcp_state_dict(optimizer)
-    dcp.load(state, checkpoint_id=os.fspath(path))  # the ShardedTensors' views: straight into the live tensors
+    state = _quietly(dcp_state_dict, optimizer)
+    _quietly(dcp.load, state, checkpoint_id=os.fspath(path))  # the ShardedTensors' views: straight into the live tensors
     steps = {name: float(values["step"]) for name, values in state["optim"]["state"].items()}
     _finish_load(optimizer, steps, state["optim"]["param_groups"])
 
