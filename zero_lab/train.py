@@ -3,6 +3,8 @@
     python -m zero_lab.train --nproc 2 --stage 1            # zero_lab.launch starts 2 ranks
     torchrun --nproc-per-node 2 -m zero_lab.train --stage 1  # torchrun starts them (any number of machines)
     python -m zero_lab.train --stage 3 --offload nvme       # ZeRO-Infinity's (simulated) NVMe tier
+    python -m zero_lab.train --nproc 3 --stage 2 --checkpoint-dir ckpt --save-every 5
+                                                            # resumes from ckpt's last checkpoint, of any world size
 
 Both run the same `train` function: it joins the process group from the environment
 (`init_distributed`), takes its shard of each global batch, and prints the loss and the
@@ -26,9 +28,11 @@ from zero_lab.models import GPT, GPTConfig
 from zero_lab.stages import STAGES
 
 
-def train(stage: int, steps: int, global_batch: int, lr: float, seed: int = 0, **zero_options) -> list[float]:
-    """Train on this rank; return the global mean loss of every step. zero_options go to prepare
-    (ranks_per_node=, qwz=, ... for lesson 09)."""
+def train(stage: int, steps: int, global_batch: int, lr: float, seed: int = 0, checkpoint_dir: str | None = None,
+          save_every: int | None = None, **zero_options) -> list[float]:
+    """Train on this rank; return the global mean loss of every step it ran. zero_options go to prepare
+    (ranks_per_node=, qwz=, ... for lesson 09). With checkpoint_dir (stages 1-3, lesson 16), it resumes from the
+    last finished checkpoint there, saved at any world size, and saves one every save_every steps (step-NNNNNN)."""
     from zero_lab.prepare import prepare  # lesson 03 onwards
 
     device = init_distributed()
@@ -37,28 +41,50 @@ def train(stage: int, steps: int, global_batch: int, lr: float, seed: int = 0, *
     model, optimizer = prepare(GPT(config, seed=seed).to(device), torch.optim.AdamW, stage=stage, lr=lr,
                                **zero_options)
     batches = token_batches(steps, global_batch, config.block_size, config.vocab_size, seed=seed)
+    done = _resume(optimizer, checkpoint_dir) if checkpoint_dir else 0
     rank_losses = []
     try:
         with CommLedger() as ledger:  # counts the training's collectives only
-            for tokens, targets in batches:
+            for step, (tokens, targets) in enumerate(batches, 1):
+                if step <= done:  # the checkpoint's steps: their batches are skipped
+                    continue
                 tokens, targets = (t.to(device) for t in shard_batch((tokens, targets), rank, world_size))
                 _, loss = model(tokens, targets)
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
                 rank_losses.append(loss.detach())
+                if save_every and step % save_every == 0:
+                    from zero_lab.reshard import save_resharded  # lesson 16
+                    save_resharded(optimizer, os.path.join(checkpoint_dir, f"step-{step:06d}"))
     finally:
         if hasattr(optimizer, "close"):  # offload="nvme": the tier's files
             optimizer.close()
-    losses = torch.stack(rank_losses)
+    losses = torch.stack(rank_losses) if rank_losses else torch.zeros(0)
     dist.all_reduce(losses)  # the mean over ranks is the global batch's mean loss
     losses = (losses / world_size).tolist()
-    if rank == 0:
+    if rank == 0 and losses:
         setup = "".join(f" {k}={v}" for k, v in zero_options.items())
-        print(f"stage {stage}{setup}, {world_size} ranks: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {steps} steps")
+        if checkpoint_dir and losses:
+            print(f"steps {done + 1}-{steps} on {world_size} ranks; the last step's loss {losses[-1]!r}")
+        print(f"stage {stage}{setup}, {world_size} ranks: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps")
         print(f"bytes sent per rank in {steps} steps (ring convention, docs/communication.md):")
         print(ledger.table())
     return losses
+
+
+def _resume(optimizer, checkpoint_dir: str) -> int:
+    """Load the last finished checkpoint in checkpoint_dir (of any world size); return its step (0: none yet)."""
+    from zero_lab.reshard import METADATA, load_resharded  # lesson 16
+
+    finished = sorted(name for name in os.listdir(checkpoint_dir) if name.startswith("step-")
+                      and os.path.exists(os.path.join(checkpoint_dir, name, METADATA))) if os.path.isdir(checkpoint_dir) else []
+    if not finished:
+        return 0
+    load_resharded(optimizer, os.path.join(checkpoint_dir, finished[-1]))
+    if dist.get_rank() == 0:
+        print(f"resumed from {os.path.join(checkpoint_dir, finished[-1])}")
+    return int(finished[-1].removeprefix("step-"))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -79,6 +105,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nvme-dir", help="with --offload nvme: where each rank's tier keeps its files "
                                            "(default: the system's temporary directory)")
     parser.add_argument("--nvme-bandwidth", type=float, help="with --offload nvme: the tier's bytes/s (default: unthrottled)")
+    parser.add_argument("--checkpoint-dir", help="stages 1-3 (lesson 16): resume from the last checkpoint there, "
+                                                 "saved at any world size; save one every --save-every steps")
+    parser.add_argument("--save-every", type=int, help="with --checkpoint-dir: steps between checkpoints")
     args = parser.parse_args(argv)
     run = (args.stage, args.steps, args.global_batch, args.lr)
     techniques = [t for t in args.zeropp.split(",") if t]
@@ -86,7 +115,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--zeropp and --hsdp need --ranks-per-node")
     if unknown := sorted(set(techniques) - {"qwz", "hpz", "qgz"}):
         parser.error(f"--zeropp takes qwz, hpz, qgz (comma-separated), not {','.join(unknown)}")
+    if args.save_every and not args.checkpoint_dir:
+        parser.error("--save-every needs --checkpoint-dir")
+    if args.checkpoint_dir and (args.stage not in (1, 2, 3) or args.offload or args.ranks_per_node):
+        parser.error("--checkpoint-dir works with --stage 1, 2 or 3, without --offload or --ranks-per-node")
     options = dict.fromkeys(techniques, True)
+    if args.checkpoint_dir:
+        options.update(checkpoint_dir=args.checkpoint_dir, save_every=args.save_every)
     if args.ranks_per_node is not None:
         options.update(ranks_per_node=args.ranks_per_node, replicate_across_nodes=args.hsdp)
     nvme = {"nvme_dir": args.nvme_dir, "nvme_bandwidth": args.nvme_bandwidth}

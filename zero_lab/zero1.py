@@ -182,8 +182,13 @@ class ShardedCheckpoint:
         }
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        """Load this rank's shard (every rank calls it); the model's weights follow the masters."""
+    def load_state_dict(self, state: dict | list) -> None:
+        """Load this rank's shard (every rank calls it); the model's weights follow the masters. Saved at another
+        world size: the list of every saved rank's state_dict() or file path, in rank order (lesson 16)."""
+        if isinstance(state, (list, tuple)):
+            from zero_lab.reshard import load_state_dicts  # lesson 16's; it imports this module
+            load_state_dicts(self, state)
+            return
         if "world_size" not in state and "param_groups" in state:  # consolidated_state_dict()["optimizer"]
             return self._load_consolidated(state)
         numels = [g.layout.numel for g in self.groups]
@@ -191,7 +196,8 @@ class ShardedCheckpoint:
             raise ValueError(
                 f"this checkpoint is sharded for {state['world_size']} ranks and groups of {state['numels']} "
                 f"elements, not {self.world_size} ranks and {numels}: resume with the same world size and "
-                "param groups, or load the consolidated_state_dict() into any setup")
+                "param groups, or pass every rank the list of all saved ranks' state dicts or files, in rank order "
+                "(each reads only its part), or load the consolidated_state_dict() into any setup")
         if state["rank"] != self.rank:
             raise ValueError(f"rank {self.rank} was given rank {state['rank']}'s shard: load each rank's own file")
         self.optimizer.load_state_dict(state["optimizer"])
@@ -251,7 +257,7 @@ class ShardedCheckpoint:
                 for s, view in zip(states, param_views(flat, group.params)):
                     if key in s:
                         view.copy_(s[key])
-                shard[key] = flat[start:stop]
+                shard[key] = flat[start:stop].clone()  # its own storage: a view keeps the whole buffer alive
             if any("step" in s for s in states):  # Adam: the shard counts the most; the others keep their own
                 counts = [float(s.get("step", 0)) for s in states]
                 shard["step"] = torch.tensor(max(counts))

@@ -634,8 +634,13 @@ class ShardedModelState:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        """Load this rank's shard, or the "optimizer" part of a consolidated_state_dict() at any
+        """Load this rank's shard; saved at another world size, the list of every saved rank's state_dict()
+        or file path, in rank order (lesson 16); or the "optimizer" part of a consolidated_state_dict() at any
         world size (then load its "model" part with model.load_state_dict)."""
+        if isinstance(state, (list, tuple)):  # every saved rank's, saved at any world size (lesson 16)
+            from zero_lab.reshard import load_state_dicts  # imported here: it imports this module
+            load_state_dicts(self, state)
+            return
         if "stage" not in state and {"state", "param_groups"} <= set(state):
             return self._load_consolidated(state)
         numels = [unit.layout.numel for unit in self.units]
@@ -643,7 +648,8 @@ class ShardedModelState:
             raise ValueError(
                 f"this checkpoint is a stage {state.get('stage')} one sharded for {state.get('world_size')} ranks and "
                 f"units of {state.get('numels')} elements, not stage 3 on {self.world_size} ranks and {numels}: resume "
-                "with the same setup, or load a consolidated_state_dict() (model.load_state_dict(full['model']), "
+                "with the same setup, pass every rank the list of all saved ranks' state dicts or files, in rank order "
+                "(each reads only its part), or load a consolidated_state_dict() (model.load_state_dict(full['model']), "
                 "optimizer.load_state_dict(full['optimizer'])) into any setup")
         if state["rank"] != self.rank:
             raise ValueError(f"rank {self.rank} was given rank {state['rank']}'s shard: load each rank's own file")
