@@ -1,6 +1,7 @@
 """Lesson 15, Flight Recorder: the real recorder's dumps of hangs on gloo, read by calls_of and lined up by
-first_mismatch (a rank missing, another op, other sizes, another group, all agree); typical wrong answers fail
-their graded cells."""
+first_mismatch (a rank missing, another op, other sizes, another group, all agree); the canary flags seven
+silent runs and none of six correct ones over 20 steps at 2 and 3 ranks; typical wrong answers fail their
+graded cells."""
 
 LESSON = "15_flight_recorder"
 
@@ -93,6 +94,24 @@ MUTANTS = {
 }
 
 
+MUTANTS.update({
+    "checksums compared with a tolerance": ("    keys = [tuple(s.tolist()) for s in every]\n",
+                                            "    keys = [tuple(round(v, 3) for v in s.tolist()) for s in every]\n",
+                                            "replicas_agree"),
+    "a plain sum, blind to values that move": ("torch.stack([flat.sum(), (flat * position).sum()])",
+                                               "torch.stack([flat.sum(), flat.abs().sum()])", "replicas_agree"),
+    "rank 0 always taken for the usual value": ("    usual = max(counts, key=lambda key: (counts[key], key == keys[0]))\n",
+                                                "    usual = keys[0]\n", "replicas_agree"),
+    "the weights compared, not the updates": ("made, expected = after[name] - start, shadow_after[name] - start",
+                                              "made, expected = after[name], shadow_after[name]", "update_error"),
+    "an update the shadow did not make counted 0": ("worst = max(worst, error / size if size else math.inf)",
+                                                    "worst = max(worst, error / size if size else 0.0)", "update_error"),
+    "the mean over parameters": ("            worst = max(worst, error / size if size else math.inf)\n    return worst",
+                                 "            worst += (error / size if size else math.inf) / len(before)\n    return worst",
+                                 "update_error"),
+})
+
+
 @pytest.mark.parametrize("mutant", MUTANTS)
 def test_typical_mistakes_fail_their_graded_cell(mutant):
     assert_mutant_fails(LESSON, *MUTANTS[mutant])
@@ -105,4 +124,22 @@ def test_first_mismatch_names_exercise_1_when_calls_of_is_wrong():
 
 
 def test_hidden_tests_are_worth_points(graded):
-    assert_reference_full_and_learner_zero(graded, LESSON, 6)
+    assert_reference_full_and_learner_zero(graded, LESSON, 12)
+
+
+def _flags_and_losses(steps):
+    from zero_lab.canary import BASELINES, SILENT, run_with_canary
+    return {setup.name: [(report["flagged"], report["loss"]) for report in run_with_canary(setup, steps)]
+            for setup in BASELINES + SILENT}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_canary_flags_every_silent_run_and_no_correct_one_over_20_steps(world_size):
+    from zero_lab.canary import BASELINES, SILENT
+    for rank, runs in enumerate(launch(_flags_and_losses, world_size, 20, timeout=300)):
+        for setup in BASELINES:
+            assert not any(flagged for flagged, _ in runs[setup.name]), (rank, setup.name)
+        for setup in SILENT:
+            flags, losses = zip(*runs[setup.name])
+            assert any(flags), (rank, setup.name)
+            assert sum(losses[-5:]) < 0.8 * sum(losses[:5]), f"{setup.name} should train: its loss falls"
