@@ -109,6 +109,8 @@ MUTANTS.update({
     "the mean over parameters": ("            worst = max(worst, error / size if size else math.inf)\n    return worst",
                                  "            worst += (error / size if size else math.inf) / len(before)\n    return worst",
                                  "update_error"),
+    "run B taken for a missing average": ('"B": "reduced-before-last-micro-batch"', '"B": "missing-average"',
+                                          "diagnosis_silent"),
 })
 
 
@@ -124,7 +126,7 @@ def test_first_mismatch_names_exercise_1_when_calls_of_is_wrong():
 
 
 def test_hidden_tests_are_worth_points(graded):
-    assert_reference_full_and_learner_zero(graded, LESSON, 12)
+    assert_reference_full_and_learner_zero(graded, LESSON, 14)
 
 
 def _flags_and_losses(steps):

@@ -6,6 +6,7 @@ full_weights                  a model's whole parameters by name (any stage: sta
 replicas_agree, update_error  the two checks (exercises 3 and 4)
 Canary                        a single-process shadow of each step, and both checks after it
 Setup, BASELINES, SILENT      the runs: correct ones through zero_lab.prepare, silent bugs by hand
+SILENT_CAUSES                 the diagnosis vocabulary of the silent runs
 run_with_canary               train one Setup for some steps in a rank, the canary watching
 """
 
@@ -312,3 +313,17 @@ def run_with_canary(setup: Setup, steps: int, seed: int = 1) -> list[dict]:
         report = canary.check(before, full_weights(model), [m for ranks in micro_batches for m in ranks])
         reports.append(dict(report, step_s=stepped - start, canary_s=time.perf_counter() - stepped))
     return reports
+
+
+SILENT_CAUSES = {  # in alphabetical order; three fit none of the runs
+    "accumulator-reset": "each micro-batch's backward reset the accumulated gradient: only the last reached the step",
+    "learning-rate-not-scaled": "the learning rate was not adapted to the global batch size",
+    "low-precision-accumulation": "the micro-batches' gradients were summed in 16 bits",
+    "missing-average": "gradients were summed over ranks where they should have been averaged",
+    "no-fp32-master-weights": "the optimizer updated 16-bit weights: there was no fp32 master copy",
+    "optimizer-chosen-by-shard-shape": "which optimizer a parameter gets was decided from its flat shard's shape",
+    "orthogonalisation-skipped": "Muon's update was applied without Newton-Schulz: plain SGD",
+    "reduced-before-last-micro-batch": "gradients were averaged before the last micro-batch's was added: it stayed local",
+    "same-seed-every-rank": "every rank drew the same data",
+    "update-skipped-without-local-gradient": "a rank without a local gradient for a parameter skipped its update",
+}
