@@ -79,7 +79,7 @@ STALL_WINDOW, STALL_CPU_SHARE = 1.0, 0.05
 PROCESS_GROUP_TIMEOUT_FACTOR, PROCESS_GROUP_TIMEOUT_MARGIN = 10, 60.0
 # The Flight Recorder's ring buffer: the last this many collectives of each rank are kept.
 FLIGHT_RECORDER_ENTRIES = 2000
-DUMP_WAIT = 20.0  # seconds to wait for the ranks' dumps (measured: 1-3 s each on a busy machine)
+DUMP_WAIT = 20.0  # seconds to wait for the ranks' dumps: a small one takes milliseconds, a full buffer on a busy machine more
 FAILURE_GRACE = 5.0  # seconds to wait for the rank that broke the connections, once a peer reports it
 RENDEZVOUS_PREFIX = "zero_lab_rendezvous_"
 # How a rank reports that a peer went away: its error is a consequence, not the cause.
