@@ -34,8 +34,9 @@ MUON = dict(lr=0.05, weight_decay=0.01)  # torch.optim.Muon for the hidden matri
 # doubles a gradient's relative error into its update: 1e-4 leaves a factor of several hundred for the ulps of
 # the shadow's own sums and optimizer state.
 FP32_TOLERANCE = 1e-4
-# Muon orthogonalises in bf16 (8 significant bits, 2^-8 ~ 4e-3 per element), so a gradient one ulp away can move
-# a bf16 rounding of every Newton-Schulz input: five iterations, each feeding the next, stay under 5 * 2^-8 ~ 2e-2.
+# Muon orthogonalises in bf16 (8 significant bits): a gradient one ulp away can move the bf16 rounding of a
+# Newton-Schulz input by 2^-8 ~ 4e-3 of it, and the five iterations pass such changes on to the update, each
+# iteration adding its own roundings: 2e-2 = 5 * 2^-8 allows one such rounding per iteration.
 MUON_TOLERANCE = 2e-2
 
 
