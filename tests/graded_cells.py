@@ -10,7 +10,7 @@ import zero_lab
 from zero_lab.course_tools import where
 from zero_lab.course_tools.implementation import REPO
 
-HELPERS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom, ast.Assign, ast.AnnAssign)
+DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom)
 
 
 def assert_mutant_fails(lesson: str, old: str, new: str, test_id: str) -> None:
@@ -37,8 +37,28 @@ def assert_mutant_fails(lesson: str, old: str, new: str, test_id: str) -> None:
 
 def _define_helpers(source: str, namespace: dict) -> None:
     tree = ast.parse(source)
-    tree.body = [node for node in tree.body if isinstance(node, HELPERS)]
+    tree.body = [node for node in tree.body if _is_helper(node)]
     exec(compile(tree, "test helpers", "exec"), namespace)
+
+
+def _is_helper(node: ast.stmt) -> bool:
+    """Definitions, imports and constants other cells may share: an assignment that calls something runs a
+    check (`results = launch(...)`) unless it names a constant (`ADAMW = dict(...)`, `_TINY = GPTConfig(...)`)."""
+    if isinstance(node, DEFINITIONS):
+        return True
+    if not isinstance(node, (ast.Assign, ast.AnnAssign)):
+        return False
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    constant = all(isinstance(t, ast.Name) and t.id.lstrip("_").isupper() for t in targets)
+    return constant or not any(isinstance(n, ast.Call) for n in _evaluated(node.value))
+
+
+def _evaluated(node: ast.AST):
+    """The nodes evaluated when `node` is: a lambda's body waits for its call."""
+    yield node
+    for child in ast.iter_child_nodes(node):
+        if not isinstance(node, ast.Lambda):
+            yield from _evaluated(child)
 
 
 def graded_cell_with(lesson: str, test_id: str, old: str, new: str) -> tuple[dict, str]:

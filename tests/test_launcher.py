@@ -135,6 +135,20 @@ def test_a_rank_that_computes_slowly_is_not_hung():
     assert launch(_compute_like_a_loaded_machine, 2, 4.0, 0.3, timeout=2) == [0, 1]
 
 
+def _finish_apart(seconds):
+    """Rank 1 computes slowly past the timeout, then returns; rank 0, blocked meanwhile, sleeps a moment after."""
+    if dist.get_rank() == 1:
+        _compute_like_a_loaded_machine(seconds, 0.3)
+    else:
+        dist.barrier()
+        time.sleep(0.4)
+
+
+def test_a_rank_idle_just_after_a_peer_finished_is_not_hung():
+    # rank 0 used no CPU over the last second when rank 1 finished, but rank 1 finishing is progress
+    assert launch(_finish_apart, 2, 2.0, timeout=1) == [None, None]
+
+
 def _spin_on_rank_one():
     if dist.get_rank() == 1:
         while True:

@@ -505,7 +505,7 @@ def _collect(procs, conns, stack_files, timeout):
     world_size = len(procs)
     results: dict[int, object] = {}
     failures: dict[int, tuple[str, bool]] = {}  # rank -> (what happened, whether it is the cause)
-    watchdog = _Watchdog(procs, timeout)
+    watchdog = HangWatch(procs, timeout)
     grace_end = None
     while len(results) + len(failures) < world_size:
         pending = [r for r in range(world_size) if r not in results and r not in failures]
@@ -533,21 +533,27 @@ def _collect(procs, conns, stack_files, timeout):
     return [results[r] for r in range(world_size)]
 
 
-class _Watchdog:
-    """Tells stuck ranks from slow ones. Before `timeout` seconds nothing is stuck; after it, the pending
-    ranks are stuck when none of them used CPU over the last STALL_WINDOW (all blocked: a hang) or one has
-    used `timeout` CPU-seconds itself (a runaway loop). A rank that computes on a loaded machine goes on."""
+class HangWatch:
+    """Tells stuck processes from slow ones (launch's ranks, lesson 13's fake-world child). Before `timeout`
+    seconds nothing is stuck; after it, the pending ones (indices into `procs`, which have a `pid`) are stuck
+    when none of them used CPU over the last STALL_WINDOW (all blocked: a hang) or one has used `timeout`
+    CPU-seconds since the watch began (a runaway loop). One that computes on a loaded machine goes on, and
+    so do those blocked in a collective a peer has just finished: a finished peer restarts the window."""
 
     def __init__(self, procs, timeout: float):
         self.procs, self.timeout = procs, timeout
         self.deadline = time.monotonic() + timeout
+        self.started = [_cpu_seconds(proc.pid) or 0.0 for proc in procs]
+        self.pending = set(range(len(procs)))
         self.samples: collections.deque = collections.deque()  # (when, {rank: CPU-seconds}), STALL_WINDOW of them
-        self.computing: dict[int, float] = {}  # when stuck: the ranks that were computing, and their CPU-seconds
+        self.computing: dict[int, float] = {}  # when stuck: those that were computing, and their CPU-seconds
 
     def stuck(self, pending: list[int]) -> bool:
         now = time.monotonic()
         if now < self.deadline - STALL_WINDOW:
             return False
+        if set(pending) != self.pending:  # one finished: progress, so the rest are watched afresh
+            self.pending, self.samples = set(pending), collections.deque()
         cpu = {rank: _cpu_seconds(self.procs[rank].pid) for rank in pending}
         self.samples.append((now, cpu))
         while len(self.samples) > 1 and now - self.samples[1][0] >= STALL_WINDOW:
@@ -558,8 +564,8 @@ class _Watchdog:
         if None in cpu.values():  # no CPU clock to read (a rank just exited, or no /proc): wall time decides
             return True
         busy = [rank for rank in pending if cpu[rank] - before.get(rank, cpu[rank]) > STALL_CPU_SHARE * (now - then)]
-        self.computing = {rank: cpu[rank] for rank in busy}
-        return not busy or any(cpu[rank] >= self.timeout for rank in busy)
+        self.computing = {rank: cpu[rank] - self.started[rank] for rank in busy}
+        return not busy or any(used >= self.timeout for used in self.computing.values())
 
 
 def _cpu_seconds(pid: int) -> float | None:

@@ -23,7 +23,6 @@ import math
 import multiprocessing
 import os
 import resource
-import time
 import warnings
 from dataclasses import dataclass, field
 
@@ -34,7 +33,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # private: to
 
 from zero_lab import comm_ledger
 from zero_lab.comm_ledger import CommLedger
-from zero_lab.launcher import STALL_CPU_SHARE, STALL_WINDOW, _cpu_seconds  # launch's hang guard
+from zero_lab.launcher import HangWatch  # launch's hang guard
 from zero_lab.memory_ledger import CATEGORIES, model_state_bytes
 from zero_lab.prepare import prepare
 
@@ -165,9 +164,9 @@ def in_fake_world(runs, timeout: float = 120.0) -> list[FakeWorldResult]:
     (collectives return at once, the comm ledger charges them), and every tensor fn makes is a FakeTensor.
     The parent's own process groups are never touched.
 
-    `timeout` guards against a hang, as zero_lab.launch's does, and never against a slow or busy machine: the
-    child is stopped with a TimeoutError only when one run has used `timeout` CPU-seconds itself (a runaway
-    loop) or the child has used no CPU for `timeout` seconds (blocked)."""
+    `timeout` guards against a hang, as zero_lab.launch's does, and never against a slow or busy machine: past
+    `timeout` seconds of one run, the child is stopped with a TimeoutError only when it has used no CPU over the
+    last second (blocked) or that run has used `timeout` CPU-seconds (a runaway loop)."""
     runs = list(runs)
     context = multiprocessing.get_context("fork")
     receive, send = context.Pipe(duplex=False)
@@ -187,20 +186,13 @@ def in_fake_world(runs, timeout: float = 120.0) -> list[FakeWorldResult]:
 
 def _next_result(child, receive, which: str, timeout: float):
     """The child's next message, waiting as long as it makes progress (see in_fake_world's timeout)."""
-    start = last = _cpu_seconds(child.pid) or 0.0
-    idle_since = sampled = time.monotonic()
-    while not receive.poll(STALL_WINDOW):
-        cpu, now = _cpu_seconds(child.pid), time.monotonic()
-        if cpu is None:  # the child is gone: recv below says so
-            break
-        if cpu - last > STALL_CPU_SHARE * (now - sampled):
-            idle_since = now
-        last, sampled = cpu, now
-        if cpu - start >= timeout or now - idle_since >= timeout:
+    watch = HangWatch([child], timeout)
+    while not receive.poll(0.2) and child.is_alive():  # a child that is gone: recv below says so
+        if watch.stuck([0]):
             child.kill()
             child.join()
-            why = (f"used {cpu - start:.0f} CPU-seconds (a runaway loop)" if cpu - start >= timeout
-                   else f"used no CPU for {now - idle_since:.0f} s (blocked)")
+            why = (f"used {watch.computing[0]:.0f} CPU-seconds (a runaway loop)" if watch.computing
+                   else "used no CPU over the last second (blocked)")
             raise TimeoutError(f"timeout, a guard against a hang: {which} in the fake world {why}; timeout = {timeout:g} "
                                f"(a busy machine only makes a run slower; the child process was stopped)")
     try:
