@@ -41,10 +41,11 @@ MUON_TOLERANCE = 2e-2
 
 
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter, whole and in fp32, by name: a DDP wrapper's "module." dropped, stage 3's shards
-    gathered (its state_dict does that; every rank must call it)."""
+    """Every parameter (not the buffers), whole and in fp32, by name: a DDP wrapper's "module." dropped,
+    stage 3's shards gathered (its state_dict does that; every rank must call it)."""
+    params = {name for name, _ in model.named_parameters()}
     return {name.removeprefix("module."): value.detach().float().clone()
-            for name, value in model.state_dict().items()}
+            for name, value in model.state_dict().items() if name in params}
 
 
 def replicas_agree(tensors: list[torch.Tensor]) -> list[int]:
