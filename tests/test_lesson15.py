@@ -1,7 +1,7 @@
 """Lesson 15, Flight Recorder: the real recorder's dumps of hangs on gloo, read by calls_of and lined up by
 first_mismatch (a rank missing, another op, other sizes, another group, all agree); the canary flags seven
-silent runs and none of six correct ones over 20 steps at 2 and 3 ranks; typical wrong answers fail their
-graded cells."""
+silent runs and none of seven correct ones over 20 steps at 2 and 3 ranks, its ledger naming the two that
+lose a micro-batch; typical wrong answers fail their graded cells."""
 
 LESSON = "15_flight_recorder"
 
@@ -109,6 +109,15 @@ MUTANTS.update({
     "the mean over parameters": ("            worst = max(worst, error / size if size else math.inf)\n    return worst",
                                  "            worst += (error / size if size else math.inf) / len(before)\n    return worst",
                                  "update_error"),
+    "the hook never starts again on a new p.grad": (
+        "self.held[name] = self.held.get(name, 0) + 1 if same_tensor else 1", "self.held[name] = self.held.get(name, 0) + 1",
+        "ledger"),
+    "only gradients short of micro-batches, not those with one too many": (
+        "if ledger.get(name, 0) != expected}", "if ledger.get(name, 0) < expected}", "ledger"),
+    "a rank that never entered a reduce not counted": (
+        "if ledger.get(name, 0) != expected}", "if name in ledger and ledger[name] != expected}", "ledger"),
+    "only the gradients this rank reduced": ("for name in sorted({name for ledger in every for name in ledger}):",
+                                             "for name in sorted(entries):", "ledger"),
     "run B taken for a missing average": ('"B": "reduced-before-last-micro-batch"', '"B": "missing-average"',
                                           "diagnosis_silent"),
 })
@@ -126,12 +135,13 @@ def test_first_mismatch_names_exercise_1_when_calls_of_is_wrong():
 
 
 def test_hidden_tests_are_worth_points(graded):
-    assert_reference_full_and_learner_zero(graded, LESSON, 14)
+    assert_reference_full_and_learner_zero(graded, LESSON, 16)
 
 
 def _flags_and_losses(steps):
     from zero_lab.canary import BASELINES, SILENT, run_with_canary
-    return {setup.name: [(report["flagged"], report["loss"]) for report in run_with_canary(setup, steps)]
+    return {setup.name: [(report["flagged"], report["loss"], bool(report["ledger_gaps"]))
+                         for report in run_with_canary(setup, steps)]
             for setup in BASELINES + SILENT}
 
 
@@ -140,8 +150,10 @@ def test_the_canary_flags_every_silent_run_and_no_correct_one_over_20_steps(worl
     from zero_lab.canary import BASELINES, SILENT
     for rank, runs in enumerate(launch(_flags_and_losses, world_size, 20, timeout=300)):
         for setup in BASELINES:
-            assert not any(flagged for flagged, _ in runs[setup.name]), (rank, setup.name)
+            assert not any(flagged for flagged, _, _ in runs[setup.name]), (rank, setup.name)
         for setup in SILENT:
-            flags, losses = zip(*runs[setup.name])
+            flags, losses, gaps = zip(*runs[setup.name])
             assert any(flags), (rank, setup.name)
             assert sum(losses[-5:]) < 0.8 * sum(losses[:5]), f"{setup.name} should train: its loss falls"
+            # the ledger names the runs that reduced before every micro-batch was in, at every step, and only them
+            assert all(gaps) if setup.name in "AB" else not any(gaps), (rank, setup.name, gaps)

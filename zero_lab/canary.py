@@ -3,7 +3,9 @@
 """Lesson 15, part 3: a canary for training that runs, whose loss falls, and that is wrong.
 
 full_weights                  a model's whole parameters by name (any stage: stage 3 gathers them)
-replicas_agree, update_error  the two checks (exercises 3 and 4)
+replicas_agree, update_error  the first two checks (exercises 3 and 4)
+ReduceLedger, average_grads_  which micro-batches each gradient held when this rank entered its reduce
+contribution_gaps             the third check (exercise 5): did every rank bring every micro-batch?
 Canary                        a single-process shadow of each step, and both checks after it
 Setup, BASELINES, SILENT      the runs: correct ones through zero_lab.prepare, silent bugs by hand
 SILENT_CAUSES                 the diagnosis vocabulary of the silent runs
@@ -72,6 +74,51 @@ def update_error(before: dict, after: dict, shadow_after: dict) -> float:
     return worst
 
 
+class ReduceLedger:
+    """What each gradient held when this rank entered its reduce, counted by hooks on the parameters (not by what
+    the step code believes): `held` {name: backward passes in the current p.grad}, `entries` {name: held on entry}."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.held, self.entries, self._grads = {}, {}, {}
+        for name, p in model.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda p, name=name: self.accumulated(name, p))
+
+    def accumulated(self, name: str, p: torch.Tensor) -> None:
+        """After a backward added into p.grad: one more micro-batch in it, or the first in a new tensor."""
+        same_tensor = self._grads.get(name) is p.grad
+        self.held[name] = self.held.get(name, 0) + 1 if same_tensor else 1
+        self._grads[name] = p.grad
+
+    def entered(self, name: str) -> None:
+        self.entries[name] = self.held.get(name, 0)
+
+    def take(self) -> dict[str, int]:
+        """This step's entries; the next step starts a new ledger page."""
+        entries, self.entries = self.entries, {}
+        return entries
+
+
+def average_grads_(model: torch.nn.Module, ledger: ReduceLedger) -> None:
+    """Every gradient all-reduced and divided by the number of ranks, the ledger noting what each held on entry."""
+    for name, p in model.named_parameters():
+        ledger.entered(name)
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+
+
+def contribution_gaps(entries: dict[str, int], expected: int) -> dict[str, dict[int, int]]:
+    """{gradient: {rank: micro-batches it held}} where a rank entered its reduce without exactly `expected`
+    micro-batches in, or never entered it; {} when every rank brought every micro-batch. Every rank calls it."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, entries)
+    gaps = {}
+    for name in sorted({name for ledger in every for name in ledger}):
+        short = {rank: ledger.get(name, 0) for rank, ledger in enumerate(every) if ledger.get(name, 0) != expected}
+        if short:
+            gaps[name] = short
+    return gaps
+
+
 def loss_of(model: torch.nn.Module, micro_batch) -> torch.Tensor:
     x, y = micro_batch
     return F.mse_loss(model(x.to(next(model.parameters()).dtype)).float(), y)
@@ -97,12 +144,14 @@ class Canary:
             optimizer.step()
         return loss.item(), {name: p.detach().clone() for name, p in self.shadow.named_parameters()}
 
-    def check(self, before: dict, after: dict, micro_batches: list) -> dict:
-        """The step that took `before` to `after`; micro_batches: every rank's, of this step. Every rank calls it."""
+    def check(self, before: dict, after: dict, micro_batches: list, ledger: dict) -> dict:
+        """The step that took `before` to `after`; micro_batches: every rank's, of this step; ledger: this rank's
+        ReduceLedger entries of the step ({} for a run that keeps none). Every rank calls it."""
         loss, shadow_after = self._shadow_step(before, micro_batches)
         error, odd_ranks = update_error(before, after, shadow_after), replicas_agree(list(after.values()))
-        return {"loss": loss, "update_error": error, "odd_ranks": odd_ranks,
-                "flagged": error > self.tolerance or bool(odd_ranks)}
+        gaps = contribution_gaps(ledger, MICRO_STEPS)
+        return {"loss": loss, "update_error": error, "odd_ranks": odd_ranks, "ledger_gaps": gaps,
+                "flagged": error > self.tolerance or bool(odd_ranks) or bool(gaps)}
 
 
 class TwoExperts(torch.nn.Module):
@@ -127,8 +176,8 @@ class TwoExperts(torch.nn.Module):
 @dataclass(frozen=True)
 class Setup:
     """One run: `build(model)` makes it in a rank and returns (the model to read weights from, step), where
-    step(micro_batches) is one optimizer step on this rank's micro-batches; `optimizers(model)` is what the run
-    means to do, for the shadow."""
+    step(micro_batches) is one optimizer step on this rank's micro-batches, returning its ReduceLedger's entries
+    (None for a run without a ledger); `optimizers(model)` is what the run means to do, for the shadow."""
 
     name: str
     build: object
@@ -164,7 +213,23 @@ def prepared(stage: int, optimizer_class=torch.optim.AdamW, **options):
     return build
 
 
+def by_hand(model):
+    """A correct run written by hand: accumulate the micro-batches, average every gradient (the ledger noting
+    each), step."""
+    ledger, optimizer = ReduceLedger(model), torch.optim.AdamW(model.parameters(), **ADAMW)
+
+    def step(micro_batches):
+        for micro_batch in micro_batches:
+            (loss_of(model, micro_batch) / len(micro_batches)).backward()
+        average_grads_(model, ledger)
+        optimizer.step()
+        optimizer.zero_grad()
+        return ledger.take()
+    return model, step
+
+
 BASELINES = [
+    Setup("data parallel by hand", by_hand, adamw),
     Setup("stage 0 (DDP)", prepared(0, **ADAMW), adamw),
     Setup("stage 1", prepared(1, **ADAMW), adamw),
     Setup("stage 2", prepared(2, **ADAMW), adamw),
@@ -175,41 +240,36 @@ BASELINES = [
 ]
 
 
-def average_grads_(params) -> None:
-    """Every gradient all-reduced and divided by the number of ranks."""
-    for p in params:
-        dist.all_reduce(p.grad)
-        p.grad /= dist.get_world_size()
-
-
 def _last_micro_batch_only(model):
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    ledger, optimizer = ReduceLedger(model), torch.optim.AdamW(model.parameters(), **ADAMW)
 
     def step(micro_batches):
         for micro_batch in micro_batches:
             model.zero_grad(set_to_none=True)  # each backward taken for a boundary, which resets the accumulator
             (loss_of(model, micro_batch) / len(micro_batches)).backward()
-        average_grads_(model.parameters())
+        average_grads_(model, ledger)
         optimizer.step()
         optimizer.zero_grad()
+        return ledger.take()
     return model, step
 
 
 def _boundary_micro_batch_local(model):
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    ledger, optimizer = ReduceLedger(model), torch.optim.AdamW(model.parameters(), **ADAMW)
 
     def step(micro_batches):
         for micro_batch in micro_batches[:-1]:
             (loss_of(model, micro_batch) / len(micro_batches)).backward()
-        average_grads_(model.parameters())  # the all-reduce runs before the last micro-batch's gradient is in
+        average_grads_(model, ledger)  # the all-reduce runs before the last micro-batch's gradient is in
         (loss_of(model, micro_batches[-1]) / len(micro_batches)).backward()
         optimizer.step()
         optimizer.zero_grad()
+        return ledger.take()
     return model, step
 
 
 def _bf16_accumulation(model):
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    ledger, optimizer = ReduceLedger(model), torch.optim.AdamW(model.parameters(), **ADAMW)
 
     def step(micro_batches):
         sums = [torch.zeros_like(p, dtype=torch.bfloat16) for p in model.parameters()]
@@ -217,12 +277,13 @@ def _bf16_accumulation(model):
             (loss_of(model, micro_batch) / len(micro_batches)).backward()
             for total, p in zip(sums, model.parameters()):
                 total += p.grad  # the accumulator is bf16: each addition rounds to 8 significant bits
-                p.grad = None
+                p.grad.zero_()
         for total, p in zip(sums, model.parameters()):
-            p.grad = total.float()
-        average_grads_(model.parameters())
+            p.grad.copy_(total)
+        average_grads_(model, ledger)
         optimizer.step()
         optimizer.zero_grad()
+        return ledger.take()
     return model, step
 
 
@@ -246,27 +307,30 @@ def _muon_without_newton_schulz(model):
     matrices, others = split_params(model)
     # what Muon's step does once the orthogonalisation never ran: w <- w(1 - lr wd) - lr grad, i.e. SGD
     optimizers = [torch.optim.SGD(matrices, **MUON), torch.optim.AdamW(others, **ADAMW)]
+    ledger = ReduceLedger(model)
 
     def step(micro_batches):
         for micro_batch in micro_batches:
             (loss_of(model, micro_batch) / len(micro_batches)).backward()
-        average_grads_(model.parameters())
+        average_grads_(model, ledger)
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
+        return ledger.take()
     return model, step
 
 
 def _muon_on_flat_shards(model):
     # Muon's test "p.ndim >= 2", asked of flat shards (shape (0,) placeholders): no matrix qualifies, all go to AdamW
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    ledger, optimizer = ReduceLedger(model), torch.optim.AdamW(model.parameters(), **ADAMW)
 
     def step(micro_batches):
         for micro_batch in micro_batches:
             (loss_of(model, micro_batch) / len(micro_batches)).backward()
-        average_grads_(model.parameters())
+        average_grads_(model, ledger)
         optimizer.step()
         optimizer.zero_grad()
+        return ledger.take()
     return model, step
 
 
@@ -310,9 +374,9 @@ def run_with_canary(setup: Setup, steps: int, seed: int = 1) -> list[dict]:
                          for r in range(world_size)]
         start = time.perf_counter()
         before = full_weights(model)
-        step(micro_batches[rank])
+        ledger = step(micro_batches[rank])
         stepped = time.perf_counter()
-        report = canary.check(before, full_weights(model), [m for ranks in micro_batches for m in ranks])
+        report = canary.check(before, full_weights(model), [m for ranks in micro_batches for m in ranks], ledger or {})
         reports.append(dict(report, step_s=stepped - start, canary_s=time.perf_counter() - stepped))
     return reports
 
