@@ -102,6 +102,13 @@ COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", "work", "mine", "__pycache
 def repo_copy(tmp_path):
     """(copy, env): the working tree in a temporary folder, and an environment in which
     ./quickstart and `zero-lab` there use this venv but the copy's files (its own work/)."""
+    # The copy's ./quickstart installs (`pip install -e` of the copy, into this venv) when the venv's install
+    # predates pyproject.toml or constraints.txt: this venv's zero_lab would then be a temporary folder's.
+    stamp = Path(sys.prefix) / ".zero-lab-installed"
+    wanted = (REPO / "pyproject.toml").read_bytes() + (REPO / "constraints.txt").read_bytes()
+    if not stamp.is_file() or stamp.read_bytes() != wanted:
+        pytest.fail(f"{sys.prefix}'s install is older than pyproject.toml/constraints.txt (or not quickstart's): run "
+                    f"the tests with `ZERO_LAB_VENV={sys.prefix} ./quickstart test`, which brings it up to date first")
     copy = tmp_path / "zero-lab"
     shutil.copytree(REPO, copy, ignore=COPY_IGNORE)
     env = dict(os.environ, ZERO_LAB_VENV=sys.prefix, PYTHONPATH=str(copy), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"))

@@ -1,6 +1,7 @@
 """The launcher: results per rank, errors named by rank, hangs reported, no leftovers."""
 
 import os
+import pickle
 import shutil
 import signal
 import socket
@@ -84,6 +85,35 @@ def test_hang_names_stuck_ranks_and_collective():
     assert sorted(info.value.stuck) == [0, 2]
     assert "all_reduce" in info.value.stuck[0]
     assert "_skip_collective_on_rank_one" in info.value.stacks[2]
+
+
+def _read_dumps(folder):
+    """rank -> [(collective sequence number, op, completed)] from launch's Flight Recorder dumps."""
+    dumps = {}
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name), "rb") as dump:
+            entries = pickle.load(dump)["entries"]
+        dumps[int(name.removeprefix("rank_"))] = [(e["collective_seq_id"], e["profiling_name"], e["retired"])
+                                                  for e in entries]
+    return dumps
+
+
+@pytest.mark.timeout(60)
+def test_a_hang_leaves_one_flight_recorder_dump_per_rank_where_the_error_says(tmp_path):
+    with pytest.raises(RanksHung) as info:
+        launch(_skip_collective_on_rank_one, 3, timeout=2, flight_recorder=tmp_path / "dumps")
+    assert info.value.dumps == str(tmp_path / "dumps") and info.value.dumps in str(info.value)
+    assert _read_dumps(info.value.dumps) == {0: [(1, "gloo:all_reduce", False)], 1: [], 2: [(1, "gloo:all_reduce", False)]}
+    with pytest.raises(RankFailed) as info:  # a failure, and a temporary folder named in the message
+        launch(_fail_on_rank, 2, 1, timeout=30, flight_recorder=True)
+    try:
+        dumps = _read_dumps(info.value.dumps)  # rank 0 may or may not have entered its barrier yet
+        assert sorted(dumps) == [0, 1] and dumps[1] == []
+        assert info.value.dumps in str(info.value)
+    finally:
+        shutil.rmtree(info.value.dumps)
+    assert launch(_sum_of_ranks, 2, 1.0, flight_recorder=tmp_path / "ok")[0]["sum"] == 1.0
+    assert not (tmp_path / "ok").exists(), "a run that succeeds leaves no dump"
 
 
 def _compute_like_a_loaded_machine(seconds, share):

@@ -19,6 +19,9 @@ Failures surface in the caller, never as a silent hang:
   busy with other work makes ranks slower, never hung, so one timeout holds on any laptop.
 When a rank dies, its peers soon fail too, with "Connection reset by peer": `RankFailed`
 names the rank that died or raised first, not a peer that lost its connection to it.
+With `flight_recorder=FOLDER` (or True: a new temporary folder) the ranks run with PyTorch's Flight
+Recorder on, and a hang or a failure also writes each live rank's dump, FOLDER/rank_<r>, before the
+ranks are killed; the error says where (its `dumps` attribute too). A run that succeeds writes nothing.
 
 No process outlives `launch`: each rank runs in its own session, and every path ends with
 SIGKILL to each rank's process group (so processes a rank started with subprocess or os.fork
@@ -47,6 +50,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import types
@@ -73,6 +77,9 @@ STALL_WINDOW, STALL_CPU_SHARE = 1.0, 0.05
 # The process group's own timeout: launch's watchdog decides first, even for a rank that computes
 # for `timeout` CPU-seconds on a machine several times oversubscribed.
 PROCESS_GROUP_TIMEOUT_FACTOR, PROCESS_GROUP_TIMEOUT_MARGIN = 10, 60.0
+# The Flight Recorder's ring buffer: the last this many collectives of each rank are kept.
+FLIGHT_RECORDER_ENTRIES = 2000
+DUMP_WAIT = 20.0  # seconds to wait for the ranks' dumps: a small one takes milliseconds, a full buffer on a busy machine more
 FAILURE_GRACE = 5.0  # seconds to wait for the rank that broke the connections, once a peer reports it
 RENDEZVOUS_PREFIX = "zero_lab_rendezvous_"
 # How a rank reports that a peer went away: its error is a consequence, not the cause.
@@ -88,6 +95,8 @@ class RankFailed(RuntimeError):
     last line of their error.
     """
 
+    dumps: str | None = None  # the folder of the ranks' Flight Recorder dumps, with launch(flight_recorder=...)
+
     def __init__(self, rank: int, world_size: int, rank_traceback: str, others: dict[int, str] | None = None):
         self.rank, self.world_size, self.rank_traceback = rank, world_size, rank_traceback
         self.others = others or {}
@@ -97,6 +106,8 @@ class RankFailed(RuntimeError):
 
 class RanksHung(TimeoutError):
     """Ranks still running after the timeout; `stuck` maps rank -> where it was blocked."""
+
+    dumps: str | None = None  # the folder of the ranks' Flight Recorder dumps, with launch(flight_recorder=...)
 
     def __init__(self, timeout: float, world_size: int, stuck: dict[int, str], stacks: dict[int, str]):
         self.stuck, self.stacks = stuck, stacks
@@ -165,7 +176,22 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _rank_main(fn, args, kwargs, rank, world_size, store_file, conn, stack_file, timeout, restore, device):
+def _dump_when_asked(requests, path: str) -> None:
+    """In a rank (a side thread): wait for the parent's request, then write this rank's Flight Recorder
+    dump to `path`. A thread, because the rank's main thread may be blocked in a collective for good."""
+    try:
+        requests.recv_bytes()
+    except EOFError:  # the parent closed the pipe: no dump wanted
+        return
+    dump = torch._C._distributed_c10d._dump_fr_trace(includeCollectives=True, includeStackTraces=True,
+                                                     onlyActive=False)
+    with open(path + ".part", "wb") as out:
+        out.write(dump)
+    os.replace(path + ".part", path)  # whole or absent: the parent never reads half a dump
+
+
+def _rank_main(fn, args, kwargs, rank, world_size, store_file, conn, stack_file, timeout, restore, device,
+               recorder=None):
     global _in_rank
     if restore:
         restore_as_imported()
@@ -181,6 +207,10 @@ def _rank_main(fn, args, kwargs, rank, world_size, store_file, conn, stack_file,
     # One thread per rank: an OpenMP pool the parent already used cannot be reused after
     # fork (the first multi-threaded matmul would hang), and ranks share the cores anyway.
     torch.set_num_threads(1)
+    if recorder is not None:  # (request pipe, dump folder): the recorder is on from the group's first collective
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
+        threading.Thread(target=_dump_when_asked, args=(recorder[0], os.path.join(recorder[1], f"rank_{rank}")),
+                         daemon=True).start()
     try:
         # Rendezvous through a file, not a TCP store: no rank can try to connect before the
         # store's server listens (c10d's retry path can stall for seconds on a reverse-DNS lookup).
@@ -235,18 +265,22 @@ def _blocked_in(stack: str) -> str:
     return f"running {caller}" if caller else "no Python frame (blocked in C code)"
 
 
-def launch(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, device: str | None = None, **kwargs) -> list:
+def launch(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, device: str | None = None,
+           flight_recorder: str | bool | None = None, **kwargs) -> list:
     """Run `fn(*args, **kwargs)` on `world_size` ranks; return the list of per-rank results.
 
     Results travel back by pickle, so return plain data (numbers, lists, dicts, tensors: CUDA
     tensors come back on the CPU). device: "cpu" or "cuda", where `rank_device()` points in the
     ranks (default: $ZERO_LAB_DEVICE, else a GPU if one is visible; `placement(world_size)` says).
+    flight_recorder: a folder (or True: a new temporary one) for one Flight Recorder dump per rank,
+    written only if the run hangs or fails.
     """
-    return _launch(fn, world_size, args, kwargs, timeout, restore=False, device=device)
+    return _launch(fn, world_size, args, kwargs, timeout, restore=False, device=device,
+                   flight_recorder=flight_recorder)
 
 
 def launch_restored(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, device: str | None = None,
-                    **kwargs) -> list:
+                    flight_recorder: str | bool | None = None, **kwargs) -> list:
     """`launch` for tests that grade code: each rank first puts builtins, torch, torch.distributed,
     c10d and zero_lab's modules (the comm ledger among them) back as they were when zero_lab was
     imported, before any learner code ran (when grading: before the notebook's first cell, and
@@ -257,7 +291,8 @@ def launch_restored(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT
     test computes there with torch.distributed is true, and a CommLedger there counts what
     really went through the process group the launcher made.
     """
-    return _launch(fn, world_size, args, kwargs, timeout, restore=True, device=device)
+    return _launch(fn, world_size, args, kwargs, timeout, restore=True, device=device,
+                   flight_recorder=flight_recorder)
 
 
 # Put back by launch_restored, besides every module of zero_lab and the classes they define:
@@ -313,7 +348,7 @@ def retake_snapshot() -> None:
     _AS_IMPORTED = snapshot_as_imported()
 
 
-def _launch(fn, world_size, args, kwargs, timeout, restore, device=None):
+def _launch(fn, world_size, args, kwargs, timeout, restore, device=None, flight_recorder=None):
     restore = restore or restore_always
     if _in_rank:
         raise RuntimeError("zero_lab.launch was called inside a rank of another launch: every rank is "
@@ -343,6 +378,9 @@ def _launch(fn, world_size, args, kwargs, timeout, restore, device=None):
     store_dir = tempfile.mkdtemp(prefix=f"{RENDEZVOUS_PREFIX}{os.getpid()}_")
     store_file = os.path.join(store_dir, "store")
     procs, conns, stack_files = [], [], []
+    # (request pipe per rank, folder or None for a temporary one), or None: recorder off
+    recorder = None if flight_recorder in (None, False) else (
+        [], None if flight_recorder is True else os.fspath(flight_recorder))
     try:
         # Ctrl-C waits until every started rank is on the list that the cleanup below kills.
         with _sigint_deferred():
@@ -350,18 +388,56 @@ def _launch(fn, world_size, args, kwargs, timeout, restore, device=None):
                 parent_end, child_end = ctx.Pipe(duplex=False)
                 conns.append(parent_end)
                 stack_files.append(tempfile.TemporaryFile(mode="w+"))
+                rank_recorder = None
+                if recorder is not None:
+                    requests, ask = ctx.Pipe(duplex=False)
+                    recorder[0].append(ask)
+                    rank_recorder = (requests, store_dir)  # the folder is known once the dumps are wanted
                 proc = ctx.Process(
                     target=_rank_main,
                     args=(fn, args, kwargs, rank, world_size, store_file, child_end, stack_files[-1], timeout,
-                          restore, device),
+                          restore, device, rank_recorder),
                     daemon=True,
                 )
                 proc.start()
                 procs.append(proc)
                 child_end.close()
-        return _collect(procs, conns, stack_files, timeout)
+                if rank_recorder is not None:
+                    requests.close()
+        try:
+            return _collect(procs, conns, stack_files, timeout)
+        except (RanksHung, RankFailed) as error:
+            if recorder is not None:
+                _add_dumps(error, procs, recorder[0], recorder[1], store_dir)
+            raise
     finally:
-        _clean_up(procs, conns + stack_files, store_dir)
+        _clean_up(procs, conns + stack_files + (recorder[0] if recorder else []), store_dir)
+
+
+def _add_dumps(error, procs, asks, folder, written_in) -> None:
+    """Ask every live rank for its Flight Recorder dump, move the dumps to `folder` (None: a new temporary
+    folder) and name them in `error`'s message and its `dumps` attribute (the folder)."""
+    alive = [rank for rank, proc in enumerate(procs) if proc.exitcode is None]
+    for rank in alive:
+        try:
+            asks[rank].send_bytes(b"dump")
+        except OSError:  # the rank died just now
+            pass
+    paths = {rank: os.path.join(written_in, f"rank_{rank}") for rank in alive}
+    deadline = time.monotonic() + DUMP_WAIT
+    while time.monotonic() < deadline and not all(os.path.exists(p) for p in paths.values()):
+        time.sleep(0.05)
+    folder = tempfile.mkdtemp(prefix="zero_lab_flight_recorder_") if folder is None else folder
+    os.makedirs(folder, exist_ok=True)
+    dumped = [rank for rank, path in paths.items() if os.path.exists(path)]
+    for rank in dumped:
+        shutil.move(paths[rank], os.path.join(folder, f"rank_{rank}"))
+    missing = [rank for rank in range(len(procs)) if rank not in dumped]
+    note = f"\nFlight Recorder dumps of ranks {dumped} in {folder} (one file per rank, rank_<r>)"
+    if missing:
+        note += f"; no dump from ranks {missing} (dead, or no answer within {DUMP_WAIT:g} s)"
+    error.dumps = folder
+    error.args = (str(error) + note,)
 
 
 class _sigint_deferred:
