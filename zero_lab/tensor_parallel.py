@@ -1,0 +1,115 @@
+# Generated from solutions/17_parallelism_3d/17_parallelism_3d.ipynb by `zero-lab build`: edit the notebook, not this file.
+
+"""Megatron-style tensor parallelism (lesson 17; Shoeybi et al. 2019, §3) over a tensor-parallel group.
+
+CopyToTensorParallel      f: identity forward; backward all-reduces the input's gradient over the group
+ReduceFromTensorParallel  g: forward all-reduces the partial outputs over the group; backward identity
+ColumnParallelLinear      this rank's output features of a Linear (f, then the local Linear)
+RowParallelLinear         this rank's input features of a Linear (the local product, g, then the whole bias)
+TensorParallelAttention   causal self-attention with its heads split over the group
+tensor_parallel_gpt       the course GPT with every block's attention and MLP split over the group (in place)
+torch_tensor_parallel_gpt the same split with torch.distributed.tensor.parallel (DTensor), to compare
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class CopyToTensorParallel(torch.autograd.Function):
+    """Megatron's f: the same x on every rank forward; backward sums x's gradient over the group."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ReduceFromTensorParallel(torch.autograd.Function):
+    """Megatron's g: forward sums the partial outputs over the group; backward passes the gradient on."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class ColumnParallelLinear(nn.Module):
+    """This rank's output features of `linear` (`rows`, default its tensor_split share): f, then a local Linear."""
+
+    def __init__(self, linear: nn.Linear, group=None, rows: torch.Tensor | None = None):
+        super().__init__()
+        self.group = group
+        if rows is None:
+            rows = torch.arange(linear.out_features).tensor_split(dist.get_world_size(group))[dist.get_rank(group)]
+        self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach()[rows].clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(CopyToTensorParallel.apply(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """This rank's input features of `linear` (its tensor_split share): the local product, g, then the whole bias."""
+
+    def __init__(self, linear: nn.Linear, group=None):
+        super().__init__()
+        self.group = group
+        columns = torch.arange(linear.in_features).tensor_split(dist.get_world_size(group))[dist.get_rank(group)]
+        self.weight = nn.Parameter(linear.weight.detach()[:, columns].clone())
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = ReduceFromTensorParallel.apply(F.linear(x, self.weight), self.group)
+        return out if self.bias is None else out + self.bias
+
+
+class TensorParallelAttention(nn.Module):
+    """This rank's n_head/t heads of a CausalSelfAttention: q, k, v column-parallel, c_proj row-parallel."""
+
+    def __init__(self, attn: nn.Module, group=None):
+        super().__init__()
+        size, rank, width = dist.get_world_size(group), dist.get_rank(group), attn.c_proj.in_features
+        if attn.n_head % size:
+            raise ValueError(f"{attn.n_head} attention heads do not split over {size} tensor-parallel ranks: "
+                             f"use a tensor-parallel size that divides the number of heads")
+        self.n_head = attn.n_head // size
+        mine = torch.arange(width).tensor_split(size)[rank]  # this rank's heads' features (heads side by side)
+        self.c_attn = ColumnParallelLinear(attn.c_attn, group, rows=torch.cat([mine, mine + width, mine + 2 * width]))
+        self.c_proj = RowParallelLinear(attn.c_proj, group)
+        self.register_buffer("causal_mask", attn.causal_mask, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.c_attn(x).chunk(3, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
+        att = F.softmax(att.masked_fill(~self.causal_mask[:T, :T], float("-inf")), dim=-1)
+        return self.c_proj((att @ v).transpose(1, 2).reshape(B, T, -1))
+
+
+def tensor_parallel_gpt(model: nn.Module, group=None) -> nn.Module:
+    """Split every block of the course GPT over `group`, in place: heads (exercise 3) and MLP (exercise 2).
+    Embeddings, LayerNorms and the tied head stay whole on every rank: their inputs, and so their gradients,
+    are the same on each rank of the group."""
+    for block in model.transformer.h:
+        block.attn = TensorParallelAttention(block.attn, group)
+        block.mlp = nn.Sequential(ColumnParallelLinear(block.mlp.c_fc, group), nn.GELU(),
+                                  RowParallelLinear(block.mlp.c_proj, group))
+    return model
