@@ -113,3 +113,32 @@ def tensor_parallel_gpt(model: nn.Module, group=None) -> nn.Module:
         block.mlp = nn.Sequential(ColumnParallelLinear(block.mlp.c_fc, group), nn.GELU(),
                                   RowParallelLinear(block.mlp.c_proj, group))
     return model
+
+
+def _local_heads_forward(attn, x):
+    """A CausalSelfAttention's forward on the q, k, v features its colwise-sharded c_attn returns locally."""
+    B, T, _ = x.shape
+    q, k, v = (t.view(B, T, attn.n_head, -1).transpose(1, 2) for t in attn.c_attn(x).chunk(3, dim=2))
+    att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
+    att = F.softmax(att.masked_fill(~attn.causal_mask[:T, :T], float("-inf")), dim=-1)
+    return attn.c_proj((att @ v).transpose(1, 2).reshape(B, T, -1))
+
+
+def torch_tensor_parallel_gpt(model: nn.Module, tp_mesh) -> nn.Module:
+    """The same split with torch.distributed.tensor.parallel on a 1-D device mesh (in place)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    size, width, plan = tp_mesh.size(), model.config.n_embd, {}
+    # c_attn's rows [q; k; v] as [q_0; k_0; v_0; q_1; ...], so that an even split of its rows gives each rank its heads
+    order = torch.cat([torch.cat([mine, mine + width, mine + 2 * width]) for mine in torch.arange(width).chunk(size)])
+    for i, block in enumerate(model.transformer.h):
+        attn = block.attn
+        with torch.no_grad():
+            attn.c_attn.weight.copy_(attn.c_attn.weight[order])
+            attn.c_attn.bias.copy_(attn.c_attn.bias[order])
+        attn.n_head //= size
+        attn.forward = _local_heads_forward.__get__(attn)
+        for name, style in (("attn.c_attn", ColwiseParallel), ("attn.c_proj", RowwiseParallel),
+                            ("mlp.c_fc", ColwiseParallel), ("mlp.c_proj", RowwiseParallel)):
+            plan[f"transformer.h.{i}.{name}"] = style()
+    return parallelize_module(model, tp_mesh, plan)
