@@ -1,0 +1,140 @@
+"""Lesson 17, ZeRO with model parallelism: ranks on a mesh match init_device_mesh, Megatron's tensor-parallel GPT
+equals one process at TP = 2 and 3 with Megatron's all-reduces, and so does torch.distributed.tensor.parallel on the
+same model; typical wrong answers fail their graded cells."""
+
+LESSON = "17_parallelism_3d"
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from graded_cells import assert_mutant_fails, assert_reference_full_and_learner_zero
+from zero_lab import launch
+from zero_lab.comm_ledger import CommLedger
+from zero_lab.mesh import AxisLedger, Mesh, mesh_coordinates, mesh_groups
+from zero_lab.models import GPT, GPTConfig
+from zero_lab.tensor_parallel import tensor_parallel_gpt, torch_tensor_parallel_gpt
+
+CONFIG = GPTConfig(vocab_size=32, n_layer=2, n_head=6, n_embd=24, block_size=8)
+
+
+def test_worked_examples_of_the_mesh():
+    assert mesh_coordinates(4, (2, 3)) == (1, 1) and mesh_coordinates(2, (2, 3)) == (0, 2)
+    assert mesh_groups((2, 3), 1) == [[0, 1, 2], [3, 4, 5]] and mesh_groups((2, 3), 0) == [[0, 3], [1, 4], [2, 5]]
+    assert mesh_coordinates(5, (2, 2, 2)) == (1, 0, 1) and mesh_groups((2, 2, 2), 1) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
+def losses(way, tp_group_of_mesh, steps=2, batch=2):
+    """AdamW steps of the course GPT, one process or split over the tp group (ours or torch's DTensor)."""
+    model = GPT(CONFIG, seed=0)
+    ledger = None
+    if way != "one process":
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", tp_group_of_mesh, mesh_dim_names=("dp", "tp"))
+        model = (tensor_parallel_gpt(model, mesh.get_group("tp")) if way == "ours"
+                 else torch_tensor_parallel_gpt(model, mesh["tp"]))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    generator, result = torch.Generator().manual_seed(0), []
+    for _ in range(steps):
+        idx, targets = (torch.randint(CONFIG.vocab_size, (batch, CONFIG.block_size), generator=generator) for _ in "xy")
+        if way != "one process":
+            ledger = CommLedger().__enter__()
+        _, loss = model(idx, targets)
+        loss.backward()
+        if ledger:
+            ledger.__exit__(None, None, None)
+        optimizer.step()
+        optimizer.zero_grad()
+        result.append(loss.item())
+    return result, ledger.summary() if ledger else None
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 3), (2, 2)])
+def test_ours_and_torch_tensor_parallel_train_like_one_process(mesh_shape):
+    expected, _ = losses("one process", None)
+    b_s_h = 2 * CONFIG.block_size * CONFIG.n_embd
+    for way in ("ours", "torch"):
+        for rank, (got, ledger) in enumerate(launch(losses, mesh_shape[0] * mesh_shape[1], way, mesh_shape, timeout=120)):
+            # tensor-parallel partial sums in another order, through 2 AdamW steps: a few ulps of fp32
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=f"{way}, rank {rank}")
+            # Megatron: 2 all-reduces of b*s*h per layer forward, 2 backward, all within the tp group
+            assert ledger == {"all_reduce": {"calls": 4 * CONFIG.n_layer, "elements": 4 * CONFIG.n_layer * b_s_h,
+                                             "bytes": 16 * CONFIG.n_layer * b_s_h,
+                                             "sent_bytes": 2 * (mesh_shape[1] - 1) / mesh_shape[1] * 16 * CONFIG.n_layer * b_s_h}}, \
+                (way, rank, ledger)
+
+
+def axis_bytes():
+    mesh = Mesh((2, 2), ("dp", "tp"))
+    with AxisLedger(mesh) as ledger:
+        dist.all_reduce(torch.ones(10), group=mesh.group("tp"))
+        dist.all_reduce(torch.ones(6), group=mesh.group("dp"))
+        dist.all_reduce(torch.ones(4))
+    return ledger.sent_by_axis(), mesh.ranks("dp"), mesh.ranks("tp"), mesh.coordinate("dp"), mesh.size("tp")
+
+
+def test_the_axis_ledger_counts_each_axis_apart():
+    for rank, (sent, dp, tp, dp_coordinate, tp_size) in enumerate(launch(axis_bytes, 4, timeout=60)):
+        assert sent == {"tp": 2 * 1 / 2 * 40, "dp": 2 * 1 / 2 * 24, "world": 2 * 3 / 4 * 16}
+        assert (dp, tp, dp_coordinate, tp_size) == ([rank % 2, rank % 2 + 2], [rank // 2 * 2, rank // 2 * 2 + 1],
+                                                     rank // 2, 2)
+
+
+MUTANTS = {
+    "coordinates with the first axis fastest (column-major)": (
+        "    for size in reversed(shape):\n        rank, coordinate = divmod(rank, size)\n        coordinates.append(coordinate)\n"
+        "    return tuple(reversed(coordinates))\n",
+        "    for size in shape:\n        rank, coordinate = divmod(rank, size)\n        coordinates.append(coordinate)\n"
+        "    return tuple(coordinates)\n", "mesh_groups"),
+    "a group along an axis = ranks equal in that coordinate (the other axis' groups)": (
+        "        elsewhere = mesh_coordinates(rank, shape)[:dim] + mesh_coordinates(rank, shape)[dim + 1:]\n",
+        "        elsewhere = mesh_coordinates(rank, shape)[dim]\n", "mesh_groups"),
+    "a rank off the mesh not refused": (
+        "    if not 0 <= rank < math.prod(shape):\n", "    if False:\n", "mesh_groups"),
+    "f and g swapped": (
+        "        return F.linear(CopyToTensorParallel.apply(x, self.group), self.weight, self.bias)\n",
+        "        return F.linear(ReduceFromTensorParallel.apply(x, self.group), self.weight, self.bias)\n", "tp_linear"),
+    "f's backward without its all-reduce": (
+        "        grad = grad.contiguous().clone()\n        dist.all_reduce(grad, group=ctx.group)\n",
+        "        grad = grad.contiguous().clone()\n", "tp_linear"),
+    "f's all-reduce over the whole world (wrong group)": (
+        "        dist.all_reduce(grad, group=ctx.group)\n", "        dist.all_reduce(grad)\n", "tp_linear"),
+    "g's all-reduce over the whole world (wrong group)": (
+        "        dist.all_reduce(x, group=group)\n", "        dist.all_reduce(x)\n", "tp_linear"),
+    "g's backward all-reduces again": (
+        "        ### BEGIN SOLUTION\n        return grad, None\n",
+        "        ### BEGIN SOLUTION\n        grad = grad.clone()\n        dist.all_reduce(grad)\n        return grad, None\n",
+        "tp_linear"),
+    "the row-parallel bias added before the sum (t times)": (
+        "        out = ReduceFromTensorParallel.apply(F.linear(x, self.weight), self.group)\n",
+        "        out = ReduceFromTensorParallel.apply(F.linear(x, self.weight, self.bias), self.group)\n", "tp_linear"),
+    "column-parallel slices the input features": (
+        "        self.weight = nn.Parameter(linear.weight.detach()[rows].clone())\n",
+        "        self.weight = nn.Parameter(linear.weight.detach()[:, rows].clone())\n", "tp_linear"),
+    "even split by floor division (uneven widths lose features)": (
+        "            rows = torch.arange(linear.out_features).tensor_split(dist.get_world_size(group))[dist.get_rank(group)]\n",
+        "            per_rank = linear.out_features // dist.get_world_size(group)\n"
+        "            rows = torch.arange(per_rank * dist.get_rank(group), per_rank * (dist.get_rank(group) + 1))\n",
+        "tp_linear"),
+    "uneven heads not refused": ("        if attn.n_head % size:\n", "        if False:\n", "tp_attention"),
+    "q, k, v rows: one contiguous range of c_attn (the q of some heads, the k of others)": (
+        "rows=torch.cat([mine, mine + width, mine + 2 * width])",
+        "rows=torch.arange(3 * width).tensor_split(size)[rank]", "tp_attention"),
+    "all heads kept in the local view (n_head not divided)": (
+        "        self.n_head = attn.n_head // size\n", "        self.n_head = attn.n_head\n", "tp_attention"),
+    "scale by the whole width's head size": (
+        "        att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))\n        att = F.softmax(",
+        "        att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1) * self.n_head)\n        att = F.softmax(",
+        "tp_attention"),
+    "no causal mask": ("        att = F.softmax(att.masked_fill(~self.causal_mask[:T, :T], float(\"-inf\")), dim=-1)\n        return self.c_proj(",
+                       "        att = F.softmax(att, dim=-1)\n        return self.c_proj(", "tp_attention"),
+}
+
+
+@pytest.mark.parametrize("mutant", MUTANTS)
+def test_typical_mistakes_fail_their_graded_cell(mutant):
+    assert_mutant_fails(LESSON, *MUTANTS[mutant])
+
+
+def test_hidden_tests_are_worth_points(graded):
+    assert_reference_full_and_learner_zero(graded, LESSON, 11)
