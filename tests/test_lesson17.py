@@ -80,6 +80,56 @@ def test_the_axis_ledger_counts_each_axis_apart():
                                                      rank // 2, 2)
 
 
+def refusals():
+    import zero_lab
+    group = dist.new_group([0, 1])
+    found = []
+    for stage, options in ((2, {}), (1, {"max_grad_norm": 1.0}), (1, {"offload": "cpu"}), (1, {"find_unused_parameters": True})):
+        try:
+            zero_lab.prepare(GPT(CONFIG), torch.optim.AdamW, stage, group=group, **options)
+            found.append(None)
+        except (TypeError, NotImplementedError) as error:
+            found.append(f"{type(error).__name__}: {error}")
+    return found
+
+
+def test_group_is_refused_where_it_is_not_built():
+    for rank, found in enumerate(launch(refusals, 2, timeout=60)):
+        stage_2, clipped, offloaded, unused = found
+        assert stage_2.startswith("TypeError") and "'group' works with stages [1]" in stage_2, stage_2
+        assert all(f and f.startswith("NotImplementedError") and "group=" in f for f in (clipped, offloaded, unused)), found
+
+
+def stage_1_over_a_group():
+    """Stage 1 over the dp group of a 2 x 2 mesh, every tp rank holding the same (whole) MLP: each dp group trains
+    like one process on its ranks' batches, and no collective leaves it."""
+    mesh = Mesh((2, 2), ("dp", "tp"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.GELU(), torch.nn.Linear(7, 3))
+    import zero_lab
+    model, optimizer = zero_lab.prepare(model, torch.optim.SGD, 1, group=mesh.group("dp"), lr=0.1)
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(mesh.coordinate("dp") + 10 * mesh.coordinate("tp")))
+    with AxisLedger(mesh) as ledger:
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()], ledger.sent_by_axis(), optimizer.rank, optimizer.world_size
+
+
+def test_stage_1_over_a_group_averages_within_it():
+    results = launch(stage_1_over_a_group, 4, timeout=60)
+    for rank, (params, sent, group_rank, group_size) in enumerate(results):
+        tp = rank % 2
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.GELU(), torch.nn.Linear(7, 3))
+        xs = [torch.randn(4, 5, generator=torch.Generator().manual_seed(dp + 10 * tp)) for dp in (0, 1)]
+        sum(model(x).pow(2).mean() for x in xs).div(2).backward()  # the mean over the dp group's two batches
+        with torch.no_grad():
+            expected = [p - 0.1 * p.grad for p in model.parameters()]
+        for got, want in zip(params, expected):
+            torch.testing.assert_close(got, want)  # a sum of two in another order: a few ulps at most
+        assert set(sent) == {"dp"} and (group_rank, group_size) == (rank // 2, 2), (sent, group_rank, group_size)
+
+
 MUTANTS = {
     "coordinates with the first axis fastest (column-major)": (
         "    for size in reversed(shape):\n        rank, coordinate = divmod(rank, size)\n        coordinates.append(coordinate)\n"
@@ -126,6 +176,20 @@ MUTANTS = {
         "        att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))\n        att = F.softmax(",
         "        att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1) * self.n_head)\n        att = F.softmax(",
         "tp_attention"),
+    "ZeRO over every rank, not the dp group": (
+        '    return zero_lab.prepare(model, optimizer_class, stage, group=mesh.group("dp"), **options)\n',
+        '    return zero_lab.prepare(model, optimizer_class, stage, **options)\n', "zero_on_mesh"),
+    "ZeRO over the tp group": (
+        '    return zero_lab.prepare(model, optimizer_class, stage, group=mesh.group("dp"), **options)\n',
+        '    return zero_lab.prepare(model, optimizer_class, stage, group=mesh.group("tp"), **options)\n', "zero_on_mesh"),
+    "the model split over the dp group": ('    model = tensor_parallel_gpt(model, mesh.group("tp"))\n',
+                                          '    model = tensor_parallel_gpt(model, mesh.group("dp"))\n', "zero_on_mesh"),
+    "the batch split by the tp coordinate (tp and dp mixed up)": (
+        '    return torch.arange(batch_size).tensor_split(mesh.size("dp"))[mesh.coordinate("dp")]\n',
+        '    return torch.arange(batch_size).tensor_split(mesh.size("tp"))[mesh.coordinate("tp")]\n', "zero_on_mesh"),
+    "the batch split over every rank": (
+        '    return torch.arange(batch_size).tensor_split(mesh.size("dp"))[mesh.coordinate("dp")]\n',
+        '    return torch.arange(batch_size).tensor_split(dist.get_world_size())[dist.get_rank()]\n', "zero_on_mesh"),
     "no causal mask": ("        att = F.softmax(att.masked_fill(~self.causal_mask[:T, :T], float(\"-inf\")), dim=-1)\n        return self.c_proj(",
                        "        att = F.softmax(att, dim=-1)\n        return self.c_proj(", "tp_attention"),
 }
@@ -137,4 +201,4 @@ def test_typical_mistakes_fail_their_graded_cell(mutant):
 
 
 def test_hidden_tests_are_worth_points(graded):
-    assert_reference_full_and_learner_zero(graded, LESSON, 11)
+    assert_reference_full_and_learner_zero(graded, LESSON, 14)

@@ -142,3 +142,16 @@ def torch_tensor_parallel_gpt(model: nn.Module, tp_mesh) -> nn.Module:
                             ("mlp.c_fc", ColwiseParallel), ("mlp.c_proj", RowwiseParallel)):
             plan[f"transformer.h.{i}.{name}"] = style()
     return parallelize_module(model, tp_mesh, plan)
+
+
+def zero_on_mesh(model: nn.Module, mesh, optimizer_class=torch.optim.AdamW, stage: int = 1, **options):
+    """The course GPT split over this rank's tp group, its slice prepared with ZeRO over its dp group."""
+    import zero_lab
+
+    model = tensor_parallel_gpt(model, mesh.group("tp"))
+    return zero_lab.prepare(model, optimizer_class, stage, group=mesh.group("dp"), **options)
+
+
+def my_rows(batch_size: int, mesh) -> torch.Tensor:
+    """The global batch's rows this rank trains on: its dp coordinate's piece; the same across its tp group."""
+    return torch.arange(batch_size).tensor_split(mesh.size("dp"))[mesh.coordinate("dp")]
