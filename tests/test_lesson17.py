@@ -202,3 +202,29 @@ def test_typical_mistakes_fail_their_graded_cell(mutant):
 
 def test_hidden_tests_are_worth_points(graded):
     assert_reference_full_and_learner_zero(graded, LESSON, 14)
+
+
+def subgroup_is_fake():
+    group = dist.new_group([0, 1])
+    return type(dist.distributed_c10d._get_default_group().inner).__name__, dist.get_world_size(group)
+
+
+def test_subgroups_of_the_fake_world_are_fake_too():
+    from zero_lab.scale import in_fake_world
+    # a new_group's store comes back from C++ as a plain Store: the counted backend must still not open gloo
+    assert in_fake_world([(1024, 0, subgroup_is_fake, ())])[0].value == ("FakeProcessGroup", 2)
+
+
+def test_table_2_at_mp_2_counted_on_rank_0_of_128():
+    from zero_lab.scale import in_fake_world
+    from zero_lab.tensor_parallel import largest_on_mesh
+    got = in_fake_world([(128, 0, largest_on_mesh, (2,))], timeout=120)[0].value
+    psi, shard = got["psi"], -(-got["psi"] // 2 // 64)
+    # the paper's P_os per rank with Psi/MP: bf16 weights and gradients whole (the flat buffer padded to 64 shards),
+    # fp32 master and AdamW's moments on 1/64
+    assert got["bytes"] == {"parameters": 2 * 64 * shard, "gradients": 2 * 64 * shard, "master_params": 4 * shard,
+                            "optimizer_states": 8 * shard}
+    assert sum(got["bytes"].values()) <= 32e9 and got["width"] % 2 == 0
+    wider = 2 * 2 * (got["width"] + 2) ** 2  # the next width that splits over MP = 2 does not fit
+    assert 4 * wider / 2 + 12 * wider / (2 * 64) > 32e9
+    assert round(psi / 1e9, 1) == 15.3  # the paper prints 15.2B: 7.6B rounded, times 2

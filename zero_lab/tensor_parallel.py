@@ -155,3 +155,54 @@ def zero_on_mesh(model: nn.Module, mesh, optimizer_class=torch.optim.AdamW, stag
 def my_rows(batch_size: int, mesh) -> torch.Tensor:
     """The global batch's rows this rank trains on: its dp coordinate's piece; the same across its tp group."""
     return torch.arange(batch_size).tensor_split(mesh.size("dp"))[mesh.coordinate("dp")]
+
+
+if __name__ != "__main__":
+    from zero_lab.mesh import Mesh
+
+
+class TensorParallelLinears(nn.Module):
+    """`pairs` pairs of Linear(width, width), column- then row-parallel over `group` (no bias): 2 * pairs * width**2
+    parameters, 1/t of them on each rank. Made in FakeTensorMode it costs nothing (lesson 13's BigLinears, split)."""
+
+    def __init__(self, width: int, group=None, pairs: int = 2):
+        super().__init__()
+        if width % dist.get_world_size(group):
+            raise ValueError(f"width {width} does not split over {dist.get_world_size(group)} tensor-parallel ranks")
+        self.width, self.psi = width, 2 * pairs * width * width
+        self.body = nn.Sequential(*[layer for _ in range(pairs) for layer in (
+            ColumnParallelLinear(nn.Linear(width, width, bias=False), group),
+            RowParallelLinear(nn.Linear(width, width, bias=False), group))])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x).float().sum()
+
+    def _apply(self, fn, recurse=True):
+        # prepare() moves the model to its device; torch would swap each fake parameter for a new one: keep them
+        if all(fn(p) is p for p in self.parameters()):
+            return self
+        return super()._apply(fn, recurse)
+
+
+def largest_on_mesh(mp: int, dp: int = 64, budget: float = 32e9, pairs: int = 2) -> dict:
+    """Inside lesson 13's fake world, as rank 0 of dp * mp: the widest TensorParallelLinears (width a multiple of mp)
+    whose model states, split over the tp group and stage 1 over the dp group (bf16, AdamW), fit `budget` bytes."""
+    from zero_lab.memory_ledger import model_state_bytes
+    from zero_lab.prepare import prepare
+    from zero_lab.scale import largest_model
+
+    mesh, counts = Mesh((dp, mp), ("dp", "tp")), {}
+
+    def bytes_of(k):  # the model of width k * mp, counted
+        model = TensorParallelLinears(k * mp, mesh.group("tp"), pairs)
+        model, optimizer = prepare(model, torch.optim.AdamW, 1, group=mesh.group("dp"), param_dtype=torch.bfloat16,
+                                   lr=1e-4)
+        model(torch.ones(1, model.width, dtype=torch.bfloat16)).backward()
+        optimizer.step()
+        counts[k] = dict(model_state_bytes(model, optimizer).bytes)
+        return sum(counts[k].values())
+
+    probe = 1024
+    low = int(probe * math.sqrt(budget / bytes_of(probe)) * 0.999)  # bytes grow as width squared: a guess just below
+    k = largest_model(bytes_of, budget, low=low)
+    return {"psi": 2 * pairs * (k * mp) ** 2, "width": k * mp, "bytes": counts[k], "counts": len(counts)}
