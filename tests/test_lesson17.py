@@ -190,6 +190,20 @@ MUTANTS = {
     "the batch split over every rank": (
         '    return torch.arange(batch_size).tensor_split(mesh.size("dp"))[mesh.coordinate("dp")]\n',
         '    return torch.arange(batch_size).tensor_split(dist.get_world_size())[dist.get_rank()]\n', "zero_on_mesh"),
+    "1F1B's warm-up one forward too long (P - p)": (
+        "    warmup = min(stage.p - stage.rank - 1, stage.m)\n", "    warmup = min(stage.p - stage.rank, stage.m)\n",
+        "pipeline_schedules"),
+    "1F1B's warm-up without the cap at M": (
+        "    warmup = min(stage.p - stage.rank - 1, stage.m)\n", "    warmup = stage.p - stage.rank - 1\n",
+        "pipeline_schedules"),
+    "GPipe's backwards in reverse order (the neighbours disagree on which gradient travels)": (
+        "    for m in range(stage.m):\n        stage.backward(m)\n", "    for m in reversed(range(stage.m)):\n        stage.backward(m)\n",
+        "pipeline_schedules"),
+    "1F1B's steady state: backward before forward": (
+        "        forward(m)\n        stage.backward(m - warmup)\n", "        stage.backward(m - warmup)\n        forward(m)\n",
+        "pipeline_schedules"),
+    "1F1B's drain counted from the warm-up, not from M - warm-up": (
+        "    for m in range(stage.m - warmup, stage.m):\n", "    for m in range(warmup, stage.m):\n", "pipeline_schedules"),
     "no causal mask": ("        att = F.softmax(att.masked_fill(~self.causal_mask[:T, :T], float(\"-inf\")), dim=-1)\n        return self.c_proj(",
                        "        att = F.softmax(att, dim=-1)\n        return self.c_proj(", "tp_attention"),
 }
@@ -201,7 +215,7 @@ def test_typical_mistakes_fail_their_graded_cell(mutant):
 
 
 def test_hidden_tests_are_worth_points(graded):
-    assert_reference_full_and_learner_zero(graded, LESSON, 14)
+    assert_reference_full_and_learner_zero(graded, LESSON, 18)
 
 
 def subgroup_is_fake():
