@@ -242,3 +242,36 @@ def test_table_2_at_mp_2_counted_on_rank_0_of_128():
     wider = 2 * 2 * (got["width"] + 2) ** 2  # the next width that splits over MP = 2 does not fit
     assert 4 * wider / 2 + 12 * wider / (2 * 64) > 32e9
     assert round(psi / 1e9, 1) == 15.3  # the paper prints 15.2B: 7.6B rounded, times 2
+
+
+def pipeline_grads(way, kind, micro_batches=4, rows=2):
+    """This stage's gradients after one step of the MLP cut into world-size stages: our schedule or torch's."""
+    from zero_lab.models import MLP
+    from zero_lab.pipeline import PipeStage, gpipe, one_f_one_b, stage_of, torch_schedule
+    layers = stage_of(MLP([6, 10, 10, 10, 3], seed=0).layers, dist.get_world_size(), dist.get_rank())
+    generator = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(rows, 6, generator=generator) for _ in range(micro_batches)]
+    targets = [torch.randn(rows, 3, generator=generator) for _ in range(micro_batches)]
+    if way == "torch":
+        torch_schedule(layers, micro_batches, kind, inputs, targets, torch.nn.functional.mse_loss)
+    else:
+        stage = PipeStage(layers, micro_batches, torch.nn.functional.mse_loss)
+        (gpipe if kind == "gpipe" else one_f_one_b)(stage, inputs, targets)
+        stage.flush()
+    return [p.grad for p in layers.parameters()]
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_our_schedules_and_torch_pipelining_give_one_process_gradients(kind):
+    from zero_lab.models import MLP
+    from zero_lab.pipeline import stage_of
+    model = MLP([6, 10, 10, 10, 3], seed=0)
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.cat([torch.randn(2, 6, generator=generator) for _ in range(4)])
+    targets = torch.cat([torch.randn(2, 3, generator=generator) for _ in range(4)])
+    torch.nn.functional.mse_loss(model(inputs), targets).backward()
+    for way in ("ours", "torch"):
+        for rank, grads in enumerate(launch(pipeline_grads, 3, way, kind, timeout=60)):
+            for got, want in zip(grads, [p.grad for p in stage_of(model.layers, 3, rank).parameters()]):
+                # 4 micro-batches' partial means summed in another order than one batch: a few ulps of fp32
+                torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=f"{way}, {kind}, stage {rank}")

@@ -121,3 +121,20 @@ def one_f_one_b(stage: PipeStage, inputs: list[torch.Tensor], targets: list[torc
         stage.backward(m - warmup)
     for m in range(stage.m - warmup, stage.m):
         stage.backward(m)
+
+
+def torch_schedule(layers: nn.Sequential, micro_batches: int, kind: str, inputs=None, targets=None, loss_fn=None):
+    """One step of this rank's stage under torch.distributed.pipelining (kind "gpipe" or "1f1b"): stage 0 passes the
+    whole batch `inputs`, the last stage the whole `targets`; torch cuts them into micro-batches."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    rank, stages = dist.get_rank(), dist.get_world_size()
+    stage = PipelineStage(layers, rank, stages, torch.device("cpu"))
+    schedule = (ScheduleGPipe if kind == "gpipe" else Schedule1F1B)(stage, n_microbatches=micro_batches,
+                                                                    loss_fn=loss_fn)
+    if rank == 0:
+        schedule.step(torch.cat(inputs))
+    elif rank == stages - 1:
+        schedule.step(target=torch.cat(targets))
+    else:
+        schedule.step()
