@@ -170,6 +170,17 @@ def gather_shards(shard: torch.Tensor, dst: int, device: torch.device | None = N
     return torch.cat(parts) if rank == dst else None
 
 
+def place_in(group, optimizer, max_grad_norm=None, find_unused_parameters=False) -> tuple[int, int, int]:
+    """(this rank's number in `group`, the group's size, its first rank's global number); None: all ranks.
+    group= is built for Zero1Optimizer alone (lesson 17), without max_grad_norm and find_unused_parameters."""
+    if group is None:
+        return dist.get_rank(), dist.get_world_size(), 0
+    if type(optimizer) is not Zero1Optimizer or max_grad_norm is not None or find_unused_parameters:
+        raise NotImplementedError(f"group= is built for Zero1Optimizer alone, not {type(optimizer).__name__}, and without "
+                                  "max_grad_norm and find_unused_parameters (their collectives span all ranks)")
+    return dist.get_rank(group), dist.get_world_size(group), dist.get_global_rank(group, 0)
+
+
 class ShardedCheckpoint:
     """Saving and loading for the ZeRO optimizers (needs .model, .groups, .optimizer, .rank, .world_size)."""
 
@@ -299,8 +310,7 @@ class Zero1Optimizer(ShardedCheckpoint, OptimizerOverCopies):
     max_grad_norm  clip the global gradient norm to this in step() (None: no clipping)
     find_unused_parameters  as torch's DDP: False (default), a parameter without gradient in a step
                    is an error; True, one that no rank used is not updated (zero_lab.optim.UnusedParameters)
-    group          shard over the ranks of this process group only (None: all ranks): the data-parallel
-                   group of a mesh, each tensor-parallel slice sharded over its own (lesson 17)
+    group          shard over this process group's ranks only (None: all ranks): a mesh's dp group (lesson 17)
     **defaults     the optimizer's options (lr, weight_decay, ...)
     model.load_state_dict(...) after building it also sets the fp32 masters.
     """
@@ -314,11 +324,8 @@ class Zero1Optimizer(ShardedCheckpoint, OptimizerOverCopies):
                 raise TypeError("pass the model, or params= (its parameters or param groups) with model=None")
             params = param_groups_of(None, params)
             model = ParametersOnly(params)
-        if group is not None and (type(self) is not Zero1Optimizer or max_grad_norm is not None or find_unused_parameters):
-            raise NotImplementedError(f"group= is built for {Zero1Optimizer.__name__} alone, without max_grad_norm and "
-                                      "find_unused_parameters (their collectives span all ranks)")
         self.model, self.max_grad_norm, self.process_group = model, max_grad_norm, group
-        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.rank, self.world_size, self.first_rank = place_in(group, self, max_grad_norm, find_unused_parameters)
         self.groups, inner_groups = [], []
         for index, options in enumerate(param_groups_of(model, params)):
             trainable = [p for p in options.pop("params") if p.requires_grad]
@@ -348,8 +355,7 @@ class Zero1Optimizer(ShardedCheckpoint, OptimizerOverCopies):
 
     def _flatten_group(self, params, param_dtype) -> FlatGroup:
         flat, layout = flatten_params_(params, self.world_size)
-        first = 0 if self.process_group is None else dist.get_global_rank(self.process_group, 0)
-        dist.broadcast(flat, src=first, group=self.process_group)  # every rank starts from rank 0's weights, as in DDP
+        dist.broadcast(flat, src=self.first_rank, group=self.process_group)  # all start from its first rank's weights
         master, compute_flat = shard_master(flat, layout, self.rank, param_dtype or flat.dtype)
         if compute_flat is not flat:  # the model computes in the compute dtype from now on
             for p, view in zip(params, param_views(compute_flat, params)):
