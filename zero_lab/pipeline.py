@@ -7,6 +7,7 @@ PipeStage       one rank's stage: forward/backward of micro-batches, send/recv t
 gpipe           all forwards, then all backwards
 one_f_one_b     warm-up forwards, then one forward and one backward at a time, then the remaining backwards
 bubble          the idle share of a step, from the stages' timelines
+torch_schedule  the same step with torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B), to compare
 """
 
 from __future__ import annotations
