@@ -187,9 +187,9 @@ class TensorParallelLinears(nn.Module):
         return super()._apply(fn, recurse)
 
 
-def largest_on_mesh(mp: int, dp: int = 64, budget: float = 32e9, pairs: int = 2) -> dict:
+def largest_on_mesh(mp: int, dp: int = 64, budget: float = 32e9, pairs: int = 2, stage: int = 1) -> dict:
     """Inside lesson 13's fake world, as rank 0 of dp * mp: the widest TensorParallelLinears (width a multiple of mp)
-    whose model states, split over the tp group and stage 1 over the dp group (bf16, AdamW), fit `budget` bytes."""
+    whose model states, split over the tp group and `stage` over the dp group (bf16, AdamW), fit `budget` bytes."""
     from zero_lab.memory_ledger import model_state_bytes
     from zero_lab.prepare import prepare
     from zero_lab.scale import largest_model
@@ -198,8 +198,8 @@ def largest_on_mesh(mp: int, dp: int = 64, budget: float = 32e9, pairs: int = 2)
 
     def bytes_of(k):  # the model of width k * mp, counted
         model = TensorParallelLinears(k * mp, mesh.group("tp"), pairs)
-        model, optimizer = prepare(model, torch.optim.AdamW, 1, group=mesh.group("dp"), param_dtype=torch.bfloat16,
-                                   lr=1e-4)
+        model, optimizer = prepare(model, torch.optim.AdamW, stage, group=mesh.group("dp"),
+                                   param_dtype=torch.bfloat16, lr=1e-4)
         model(torch.ones(1, model.width, dtype=torch.bfloat16)).backward()
         optimizer.step()
         counts[k] = dict(model_state_bytes(model, optimizer).bytes)

@@ -170,13 +170,16 @@ def gather_shards(shard: torch.Tensor, dst: int, device: torch.device | None = N
     return torch.cat(parts) if rank == dst else None
 
 
+GROUP_BUILT = ("Zero1Optimizer", "Zero2Optimizer")  # by name: not their offload or Muon subclasses
+
+
 def place_in(group, optimizer, max_grad_norm=None, find_unused_parameters=False) -> tuple[int, int, int]:
     """(this rank's number in `group`, the group's size, its first rank's global number); None: all ranks.
-    group= is built for Zero1Optimizer alone (lesson 17), without max_grad_norm and find_unused_parameters."""
+    group= is built for Zero1Optimizer and Zero2Optimizer (lesson 17), without max_grad_norm and find_unused_parameters."""
     if group is None:
         return dist.get_rank(), dist.get_world_size(), 0
-    if type(optimizer) is not Zero1Optimizer or max_grad_norm is not None or find_unused_parameters:
-        raise NotImplementedError(f"group= is built for Zero1Optimizer alone, not {type(optimizer).__name__}, and without "
+    if type(optimizer).__name__ not in GROUP_BUILT or max_grad_norm is not None or find_unused_parameters:
+        raise NotImplementedError(f"group= is built for {' and '.join(GROUP_BUILT)}, not {type(optimizer).__name__}, and without "
                                   "max_grad_norm and find_unused_parameters (their collectives span all ranks)")
     return dist.get_rank(group), dist.get_world_size(group), dist.get_global_rank(group, 0)
 
