@@ -761,7 +761,7 @@ class Zero3Optimizer(ShardedModelState, OptimizerOverCopies):
                 raise NotImplementedError(f"group= is built for Zero3Optimizer, not {type(self).__name__}, and without "
                                           "max_grad_norm (its norm sums over all ranks)")
             self.shard_group = group
-        self.rank, self.world_size = dist.get_rank(self.shard_group), dist.get_world_size(self.shard_group)
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         if isinstance(units, tuple):
             units = partial(lambda classes, module: isinstance(module, classes), units)
         groups = param_groups_of(model, params)
