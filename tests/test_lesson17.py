@@ -251,6 +251,9 @@ MUTANTS = {
     "ZeRO over every rank, not the dp group": (
         '    return zero_lab.prepare(model, optimizer_class, stage, group=mesh.group("dp"), **options)\n',
         '    return zero_lab.prepare(model, optimizer_class, stage, **options)\n', "zero_on_mesh"),
+    "the stage not passed on (always stage 1)": (
+        '    return zero_lab.prepare(model, optimizer_class, stage, group=mesh.group("dp"), **options)\n',
+        '    return zero_lab.prepare(model, optimizer_class, 1, group=mesh.group("dp"), **options)\n', "zero_on_mesh"),
     "ZeRO over the tp group": (
         '    return zero_lab.prepare(model, optimizer_class, stage, group=mesh.group("dp"), **options)\n',
         '    return zero_lab.prepare(model, optimizer_class, stage, group=mesh.group("tp"), **options)\n', "zero_on_mesh"),
