@@ -296,12 +296,12 @@ def test_shard_layout(numel, world_size, shard_numel):
 
 MUTANTS = {
     "all-reduce and slice": ("step_collectives",
-                             "    dist.reduce_scatter_single(shard, flat_grad)\n    return shard.div_(world_size)",
-                             "    full = flat_grad.clone()\n    dist.all_reduce(full)\n"
-                             "    return full.chunk(world_size)[dist.get_rank()].div(world_size)"),
-    "all-gather the stale bf16 slice": ("bf16_path", "all_gather_params(group.flat_param, group.master)\n        ### END SOLUTION\n        return",
+                             "    dist.reduce_scatter_single(shard, flat_grad, group=group)\n    return shard.div_(world_size)",
+                             "    full = flat_grad.clone()\n    dist.all_reduce(full, group=group)\n"
+                             "    return full.chunk(world_size)[dist.get_rank(group)].div(world_size)"),
+    "all-gather the stale bf16 slice": ("bf16_path", "all_gather_params(group.flat_param, group.master, self.process_group)\n        ### END SOLUTION\n        return",
                                         "start, stop = group.layout.shard(self.rank)\n            all_gather_params("
-                                        "group.flat_param, group.flat_param[start:stop].clone())\n        ### END SOLUTION\n        return"),
+                                        "group.flat_param, group.flat_param[start:stop].clone(), self.process_group)\n        ### END SOLUTION\n        return"),
     "state_dict saves views": ("checkpoint", '"masters": [g.master.detach().clone() for g in self.groups]',
                                '"masters": [g.master.detach() for g in self.groups]'),
 }

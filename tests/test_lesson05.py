@@ -325,15 +325,15 @@ def test_schedulers_torch_clipping_and_preparing_again():
 # solution line changed, then the graded cell run as nbgrader runs it (whole-notebook grading
 # is test_grading.py's job).
 
-ADDED = "    grad_shard += received.div_(dist.get_world_size())"
+ADDED = "    grad_shard += received.div_(dist.get_world_size(group))"
 MUTANTS = {
-    "overwrites the gradient shard": ("reduce_scatter", ADDED, "    grad_shard.copy_(received.div_(dist.get_world_size()))"),
+    "overwrites the gradient shard": ("reduce_scatter", ADDED, "    grad_shard.copy_(received.div_(dist.get_world_size(group)))"),
     "the sum, not the mean": ("reduce_scatter", ADDED, "    grad_shard += received"),
     "keeps the full-size .grad": ("reduce_scatter", "    for p in unit.params:\n        p.grad = None\n", ""),
     "no padding": ("reduce_scatter", "torch.cat([*pieces, padding])", "torch.cat(pieces)"),
-    "all-reduce and slice": ("reduce_scatter", "    dist.reduce_scatter_single(received, flat_grad)",
-                             "    dist.all_reduce(flat_grad)\n    received.copy_(flat_grad.chunk(dist.get_world_size())"
-                             "[dist.get_rank()])"),
+    "all-reduce and slice": ("reduce_scatter", "    dist.reduce_scatter_single(received, flat_grad, group=group)",
+                             "    dist.all_reduce(flat_grad, group=group)\n"
+                             "    received.copy_(flat_grad.chunk(dist.get_world_size(group))[dist.get_rank(group)])"),
     "steps parameters without a gradient": ("zero3_step", "if piece.param in unit.had_grad:", "if True:"),
     "shard not refreshed": ("zero3_step", "unit.shard.copy_(unit.master)  # the compute-dtype", "pass  #"),
 }

@@ -302,7 +302,7 @@ _cuda_transport = None  # what carries CUDA tensors in the "counted" group: None
 
 
 def _create_counting_group(store, rank: int, size: int, timeout: timedelta):
-    if _is_fake_store(store):  # torch's fake process group (lesson 13): counted, nothing sent
+    if _is_fake_store(store) or _fake_default_group():  # torch's fake process group (lesson 13): counted, nothing sent
         fake = c10d.FakeProcessGroup._create_internal(rank, size)
         return CountingProcessGroup({"cpu": (fake, dist.ProcessGroup.BackendType.CUSTOM)}, rank, size)
     gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
@@ -315,6 +315,16 @@ def _create_counting_group(store, rank: int, size: int, timeout: timedelta):
         nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size, options)
         transports["cuda"] = (nccl, dist.ProcessGroup.BackendType.NCCL)
     return CountingProcessGroup(transports, rank, size)
+
+
+def _fake_default_group() -> bool:
+    """Whether the world is fake: a subgroup (dist.new_group, lesson 17's mesh) gets the FakeStore back from C++ as a
+    plain Store, so the default group's transport tells."""
+    fake_group = getattr(c10d, "FakeProcessGroup", None)
+    if fake_group is None or not dist.is_initialized():
+        return False
+    default = dist.distributed_c10d._get_default_group()
+    return isinstance(getattr(default, "inner", None), fake_group)
 
 
 def _is_fake_store(store) -> bool:

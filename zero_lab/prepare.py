@@ -23,6 +23,9 @@ Options besides the optimizer's own (lr, betas, weight_decay, ...):
     max_grad_norm=  stages 1-3: clip the global gradient norm in optimizer.step()
     find_unused_parameters=  stages 0-2, as torch's DDP: True lets a step leave parameters without gradient
                     (they are not updated, as with torch.optim); False (default) makes that an error
+    group=          stages 1-3: shard over the ranks of this process group only (default all ranks): on a mesh, the
+                    data-parallel group, each tensor-parallel slice sharded over its own (lesson 17, zero_lab.mesh);
+                    not with max_grad_norm, find_unused_parameters, offload, Muon or ranks_per_node
     bucket_numel=   stage 2: elements per gradient bucket
     units=, prefetch=, max_live_numel=, reshard_last=, init_fn=
                     stage 3: sharding units, prefetch depth and cap, meta-device init (zero_lab.zero3)

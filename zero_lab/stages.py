@@ -22,6 +22,8 @@ NODE_OPTIONS = frozenset({"ranks_per_node", "qwz", "hpz", "qgz", "replicate_acro
 # Stage 1 with torch.optim.Muon (lesson 12): the update needs whole matrices; muon_sharding= picks how.
 MUON_LESSON, MUON_MODULE = "12_muon", "zero_lab.muon"
 MUON_OPTIONS = frozenset({"muon_sharding", "adamw"})
+# Stages 1-3 over a process group, not all ranks (lesson 17): the data-parallel group of a mesh.
+GROUP_OPTIONS = frozenset({"group"})
 
 
 @dataclass(frozen=True)
@@ -54,15 +56,17 @@ class Stage:
 STAGES = {
     0: Stage("DDP", (), "02_ddp", "zero_lab.ddp", "BucketedDDP", frozenset({"param_dtype", "find_unused_parameters"}), wraps_model=True),
     1: Stage("P_os", ("master_params", "optimizer_states"), "03_zero1", "zero_lab.zero1", "Zero1Optimizer",
-             frozenset({"param_dtype", "max_grad_norm", "find_unused_parameters", *OFFLOAD_OPTIONS, *MUON_OPTIONS}),
+             frozenset({"param_dtype", "max_grad_norm", "find_unused_parameters", *GROUP_OPTIONS, *OFFLOAD_OPTIONS,
+                        *MUON_OPTIONS}),
              offload="Zero1Offload", muon="MuonZero1"),
     2: Stage("P_os+g", ("master_params", "optimizer_states", "gradients"), "04_zero2", "zero_lab.zero2",
-             "Zero2Optimizer", frozenset({"param_dtype", "max_grad_norm", "bucket_numel", "find_unused_parameters", *OFFLOAD_OPTIONS}),
+             "Zero2Optimizer", frozenset({"param_dtype", "max_grad_norm", "bucket_numel", "find_unused_parameters",
+                                          *GROUP_OPTIONS, *OFFLOAD_OPTIONS}),
              offload="Zero2Offload"),
     3: Stage("P_os+g+p", ("master_params", "optimizer_states", "gradients", "parameters"), "05_zero3",
              "zero_lab.zero3", "Zero3Optimizer",
              frozenset({"param_dtype", "max_grad_norm", "units", "prefetch", "max_live_numel", "reshard_last", "init_fn",
-                        *NODE_OPTIONS, *NVME_OPTIONS}),
+                        *GROUP_OPTIONS, *NODE_OPTIONS, *NVME_OPTIONS}),
              nodes=Variant("09_zeropp", "zero_lab.zeropp", "ZeroPPOptimizer"), nvme="Zero3Infinity"),
 }
 
@@ -79,9 +83,10 @@ def prepare_arguments(lesson: str) -> list[str]:
         if stage.nodes and lesson == stage.nodes.lesson:
             found.append(entry(f"stage={number}, ranks_per_node=N", stage.options & NODE_OPTIONS - {"ranks_per_node"}))
         if stage.offload and lesson == OFFLOAD_LESSON:
-            found.append(entry(f'stage={number}, offload="cpu"', stage.options - {"offload"} - NVME_OPTIONS - MUON_OPTIONS))
+            found.append(entry(f'stage={number}, offload="cpu"', stage.options - {"offload"} - NVME_OPTIONS - MUON_OPTIONS
+                               - GROUP_OPTIONS))
         if stage.nvme and lesson == NVME_LESSON:
-            found.append(entry(f'stage={number}, offload="nvme"', stage.options - {"offload"} - NODE_OPTIONS))
+            found.append(entry(f'stage={number}, offload="nvme"', stage.options - {"offload"} - NODE_OPTIONS - GROUP_OPTIONS))
         if stage.muon and lesson == MUON_LESSON:
             found.append(entry(f"stage={number} with torch.optim.Muon", MUON_OPTIONS))
     return found

@@ -79,24 +79,25 @@ def flatten_params_(params: list[torch.nn.Parameter], world_size: int) -> tuple[
     return flat, layout
 
 
-def reduce_scatter_mean(flat_grad: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of the gradient, summed over ranks and divided by their number.
+def reduce_scatter_mean(flat_grad: torch.Tensor, group=None) -> torch.Tensor:
+    """This rank's shard of the gradient, summed over the ranks of `group` and divided by their number.
 
-    `flat_grad` is this rank's full padded gradient buffer (length a multiple of the world
-    size); the result is a new tensor of length len(flat_grad) / world_size.
+    `flat_grad` is this rank's full padded gradient buffer (length a multiple of the group's
+    size); the result is a new tensor of length len(flat_grad) / group size. `group` None means
+    all ranks (lesson 17 passes a data-parallel group of a mesh).
     """
-    world_size = dist.get_world_size()
+    world_size = dist.get_world_size(group)
     shard = torch.empty(flat_grad.numel() // world_size, dtype=flat_grad.dtype, device=flat_grad.device)
-    dist.reduce_scatter_single(shard, flat_grad)
+    dist.reduce_scatter_single(shard, flat_grad, group=group)
     return shard.div_(world_size)  # gloo has no AVG: sum, then divide
 
 
-def all_gather_params(flat_param: torch.Tensor, shard: torch.Tensor) -> None:
-    """Write every rank's `shard` into every rank's `flat_param`, in rank order.
+def all_gather_params(flat_param: torch.Tensor, shard: torch.Tensor, group=None) -> None:
+    """Write every rank's `shard` into every rank's `flat_param`, in rank order (the ranks of `group`; None: all).
 
     `shard` may have another dtype (the fp32 master); it is cast to flat_param's dtype.
     """
-    dist.all_gather_single(flat_param, shard.to(flat_param.dtype))
+    dist.all_gather_single(flat_param, shard.to(flat_param.dtype), group=group)
 
 
 def clip_grad_norm_(grad_shards: list[torch.Tensor], real_numels: list[int], max_norm: float) -> torch.Tensor:
@@ -169,8 +170,24 @@ def gather_shards(shard: torch.Tensor, dst: int, device: torch.device | None = N
     return torch.cat(parts) if rank == dst else None
 
 
+GROUP_BUILT = ("Zero1Optimizer", "Zero2Optimizer")  # by name: not their offload or Muon subclasses
+
+
+def place_in(group, optimizer, max_grad_norm=None, find_unused_parameters=False) -> tuple[int, int, int]:
+    """(this rank's number in `group`, the group's size, its first rank's global number); None: all ranks.
+    group= is built for Zero1Optimizer and Zero2Optimizer (lesson 17), without max_grad_norm and find_unused_parameters."""
+    if group is None:
+        return dist.get_rank(), dist.get_world_size(), 0
+    if type(optimizer).__name__ not in GROUP_BUILT or max_grad_norm is not None or find_unused_parameters:
+        raise NotImplementedError(f"group= is built for {' and '.join(GROUP_BUILT)}, not {type(optimizer).__name__}, and without "
+                                  "max_grad_norm and find_unused_parameters (their collectives span all ranks)")
+    return dist.get_rank(group), dist.get_world_size(group), dist.get_global_rank(group, 0)
+
+
 class ShardedCheckpoint:
     """Saving and loading for the ZeRO optimizers (needs .model, .groups, .optimizer, .rank, .world_size)."""
+
+    process_group = None  # the ranks the shards are spread over (None: all); stage 1's group= (lesson 17)
 
     def state_dict(self) -> dict:
         """This rank's shard of the training state: save one file per rank."""
@@ -203,7 +220,7 @@ class ShardedCheckpoint:
         self.optimizer.load_state_dict(state["optimizer"])
         for group, master in zip(self.groups, state["masters"]):
             group.master.copy_(master)
-            all_gather_params(group.flat_param, group.master)
+            all_gather_params(group.flat_param, group.master, self.process_group)
 
     @torch.no_grad()
     def consolidated_state_dict(self, dst: int = 0) -> dict | None:
@@ -212,6 +229,9 @@ class ShardedCheckpoint:
         {"model": the model's state_dict with fp32 master weights, "optimizer": the state_dict of
         the same torch optimizer over the unsharded trainable parameters}. Every rank must call it.
         """
+        if self.process_group is not None:
+            raise NotImplementedError("consolidated_state_dict gathers over all ranks, which group= does not shard "
+                                      "over: save each rank's state_dict() instead")
         full_values, full_states = {}, {}
         for group in self.groups:
             state = self.optimizer.state[group.master]
@@ -299,6 +319,7 @@ class Zero1Optimizer(ShardedCheckpoint, OptimizerOverCopies):
     max_grad_norm  clip the global gradient norm to this in step() (None: no clipping)
     find_unused_parameters  as torch's DDP: False (default), a parameter without gradient in a step
                    is an error; True, one that no rank used is not updated (zero_lab.optim.UnusedParameters)
+    group          shard over this process group's ranks only (None: all ranks): a mesh's dp group (lesson 17)
     **defaults     the optimizer's options (lr, weight_decay, ...)
     model.load_state_dict(...) after building it also sets the fp32 masters.
     """
@@ -306,14 +327,14 @@ class Zero1Optimizer(ShardedCheckpoint, OptimizerOverCopies):
     stage = 1
 
     def __init__(self, model, optimizer_class=torch.optim.AdamW, params=None, *,
-                 param_dtype=None, max_grad_norm=None, find_unused_parameters=False, **defaults):
+                 param_dtype=None, max_grad_norm=None, find_unused_parameters=False, group=None, **defaults):
         if model is None:  # parameters alone, as torch's ZeroRedundancyOptimizer(params, ...) takes them
             if params is None:
                 raise TypeError("pass the model, or params= (its parameters or param groups) with model=None")
             params = param_groups_of(None, params)
             model = ParametersOnly(params)
-        self.model, self.max_grad_norm = model, max_grad_norm
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.model, self.max_grad_norm, self.process_group = model, max_grad_norm, group
+        self.rank, self.world_size, self.first_rank = place_in(group, self, max_grad_norm, find_unused_parameters)
         self.groups, inner_groups = [], []
         for index, options in enumerate(param_groups_of(model, params)):
             trainable = [p for p in options.pop("params") if p.requires_grad]
@@ -343,7 +364,7 @@ class Zero1Optimizer(ShardedCheckpoint, OptimizerOverCopies):
 
     def _flatten_group(self, params, param_dtype) -> FlatGroup:
         flat, layout = flatten_params_(params, self.world_size)
-        dist.broadcast(flat, src=0)  # every rank starts from rank 0's weights, as in DDP
+        dist.broadcast(flat, src=self.first_rank, group=self.process_group)  # all start from its first rank's weights
         master, compute_flat = shard_master(flat, layout, self.rank, param_dtype or flat.dtype)
         if compute_flat is not flat:  # the model computes in the compute dtype from now on
             for p, view in zip(params, param_views(compute_flat, params)):
@@ -416,7 +437,7 @@ class Zero1Optimizer(ShardedCheckpoint, OptimizerOverCopies):
         shards = []
         for group in self.groups:
             self._adopt_replaced_grads(group)
-            shards.append(reduce_scatter_mean(group.flat_grad))
+            shards.append(reduce_scatter_mean(group.flat_grad, self.process_group))
         return shards
 
     @staticmethod
@@ -452,7 +473,7 @@ class Zero1Optimizer(ShardedCheckpoint, OptimizerOverCopies):
         self.optimizer.step()
         for group in self.groups:
             group.master.grad = None  # the fp32 gradient shard lives only during the step
-            all_gather_params(group.flat_param, group.master)
+            all_gather_params(group.flat_param, group.master, self.process_group)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -74,13 +74,15 @@ class Bucket:
     work: dist.Work | None = None  # the handle of the asynchronous reduce-scatter
 
 
-def reduce_scatter_bucket(bucket: Bucket, rank: int) -> None:
+def reduce_scatter_bucket(bucket: Bucket, rank: int, group=None) -> None:
     """Start summing a complete bucket's gradients over the ranks; free the full-size gradients.
 
     Copies the gradients of bucket.params into one flat bucket.staging tensor of stop - start
     elements (zeros for a parameter without a gradient and for the padding), sets every .grad
     to None, and starts an asynchronous reduce-scatter whose pieces are the bucket's rank
-    slices: bucket.received gets this rank's piece of the sum, bucket.work the handle.
+    slices: bucket.received gets this rank's piece of the sum, bucket.work the handle. The ranks are
+    those of `group` (None: all; lesson 17 passes a mesh's data-parallel group) and `rank` is this
+    rank's number in it.
     """
     grads = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in bucket.params]
     padding = bucket.stop - bucket.start - sum(g.numel() for g in grads)
@@ -89,20 +91,21 @@ def reduce_scatter_bucket(bucket: Bucket, rank: int) -> None:
         p.grad = None  # the only full-size copy left is staging, alive until the bucket is reduced
     pieces = [bucket.staging[lo - bucket.start:hi - bucket.start] for lo, hi in bucket.slices]
     bucket.received = torch.empty_like(pieces[rank])
-    bucket.work = dist.reduce_scatter(bucket.received, pieces, async_op=True)
+    bucket.work = dist.reduce_scatter(bucket.received, pieces, group=group, async_op=True)
 
 
 @torch.no_grad()
-def accumulate_into_shard(bucket: Bucket, grad_shard: torch.Tensor, shard_start: int, rank: int) -> None:
+def accumulate_into_shard(bucket: Bucket, grad_shard: torch.Tensor, shard_start: int, rank: int, group=None) -> None:
     """Finish a bucket: wait for its reduce-scatter, add this rank's slice of the mean gradient.
 
     grad_shard holds this rank's shard, which starts at shard_start in the padded flat buffer;
     bucket.received is the sum over ranks of bucket.slices[rank]. Divide by the number of ranks
-    (the data-parallel mean), add into grad_shard, then release staging, received and work.
+    (the data-parallel mean; the ranks of `group`, None: all), add into grad_shard, then release
+    staging, received and work.
     """
     bucket.work.wait()
     lo, hi = bucket.slices[rank]
-    grad_shard[lo - shard_start:hi - shard_start] += bucket.received / dist.get_world_size()
+    grad_shard[lo - shard_start:hi - shard_start] += bucket.received / dist.get_world_size(group)
     bucket.staging = bucket.received = bucket.work = None
 
 
@@ -177,13 +180,13 @@ class Zero2Optimizer(Zero1Optimizer):
         """Start reduce-scattering a complete bucket, after finishing the one in flight: at most one."""
         if self.in_flight is not None:  # one bucket in flight: gradient memory stays bounded
             self._accumulate(self.in_flight)
-        reduce_scatter_bucket(bucket, self.rank)
+        reduce_scatter_bucket(bucket, self.rank, self.process_group)
         self.in_flight = bucket
 
     def _accumulate(self, bucket: Bucket) -> None:
         """Finish a launched bucket into its group's gradient shard; its parameters are not ready any more."""
         shard_start = self.groups[bucket.group].layout.shard(self.rank)[0]
-        accumulate_into_shard(bucket, self.grad_shards[bucket.group], shard_start, self.rank)
+        accumulate_into_shard(bucket, self.grad_shards[bucket.group], shard_start, self.rank, self.process_group)
         bucket.ready.clear()
 
     def _finish_backward(self) -> None:

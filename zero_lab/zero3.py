@@ -143,15 +143,16 @@ def local_parameters(module, is_unit, root) -> list[torch.nn.Parameter]:
     return list(dict.fromkeys(params))  # a parameter registered twice counts once
 
 
-def gather_unit(unit: Unit, async_op: bool = False) -> dist.Work | None:
+def gather_unit(unit: Unit, async_op: bool = False, group=None) -> dist.Work | None:
     """All-gather every rank's unit.shard into unit.flat, giving flat its storage back first.
 
     The parameters are views into flat, so afterwards they hold the whole unit. With async_op
     the all-gather is started and its handle returned (wait on it before using the parameters).
+    The ranks are those of `group` (None: all; lesson 17 passes a mesh's data-parallel group).
     """
     unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
     with torch.no_grad():
-        return dist.all_gather_single(unit.flat, unit.shard, async_op=async_op)
+        return dist.all_gather_single(unit.flat, unit.shard, group=group, async_op=async_op)
 
 
 def free_unit(unit: Unit) -> None:
@@ -191,12 +192,13 @@ def regather_before_backward(outputs, before_backward: Callable[[], None]):
 
 
 @torch.no_grad()
-def reduce_scatter_unit(unit: Unit, grad_shard: torch.Tensor) -> None:
+def reduce_scatter_unit(unit: Unit, grad_shard: torch.Tensor, group=None) -> None:
     """Add this rank's shard of the data-parallel mean of the unit's gradients into grad_shard.
 
     Copies every parameter's .grad into one padded flat buffer (zeros for parameters without a
     gradient and for the padding), frees the full-size .grad, reduce-scatters the buffer and
-    adds the received sum, divided by the number of ranks, into grad_shard.
+    adds the received sum, divided by the number of ranks, into grad_shard. The ranks are those
+    of `group` (None: all).
     """
     pieces = [p.grad.reshape(-1) if p.grad is not None else grad_shard.new_zeros(shape.numel())
               for p, shape in zip(unit.params, unit.shapes)]  # shapes: a freed unit's parameters are empty
@@ -205,8 +207,8 @@ def reduce_scatter_unit(unit: Unit, grad_shard: torch.Tensor) -> None:
     for p in unit.params:
         p.grad = None
     received = torch.empty_like(grad_shard)
-    dist.reduce_scatter_single(received, flat_grad)
-    grad_shard += received.div_(dist.get_world_size())  # divided in place: no temporary
+    dist.reduce_scatter_single(received, flat_grad, group=group)
+    grad_shard += received.div_(dist.get_world_size(group))  # divided in place: no temporary
 
 
 def prefetch_plan(order: list[list[int]], position: int, depth: int, resident: set[int],
@@ -342,11 +344,12 @@ class UnitSchedule:
       release(unit, phase)               drop the gathered unit's memory
       reduce_scatter(unit)               add this rank's shard of the mean gradient into unit.grad_shard
     phase is "forward", "backward", "end" (after backward) or "outside" (gathered_parameters, state dicts).
+    group is the ranks the units are sharded over (None: all).
     """
 
     def __init__(self, model, units: list[Unit], calls: list[tuple], *, prefetch: int = 1,
-                 max_live_numel: int | None = None, reshard_last: bool = True):
-        self.units, self.calls = units, calls
+                 max_live_numel: int | None = None, reshard_last: bool = True, group=None):
+        self.units, self.calls, self.group = units, calls, group
         self.prefetch, self.max_live_numel, self.reshard_last = prefetch, max_live_numel, reshard_last
         self.order = ExecutionOrder([name for name, _, _ in calls], units[0].flat.device)
         self.unit_of = {p: unit for unit in units for p in unit.params}
@@ -365,13 +368,13 @@ class UnitSchedule:
 
     # ---- extension points
     def all_gather(self, unit: Unit, phase: str, async_op: bool = False) -> dist.Work | None:
-        return gather_unit(unit, async_op=async_op)
+        return gather_unit(unit, async_op=async_op, group=self.group)
 
     def release(self, unit: Unit, phase: str) -> None:
         free_unit(unit)
 
     def reduce_scatter(self, unit: Unit) -> None:
-        reduce_scatter_unit(unit, unit.grad_shard)
+        reduce_scatter_unit(unit, unit.grad_shard, self.group)
 
     # ---- gathering and freeing one unit
     def gather(self, unit: Unit, phase: str, async_op: bool = False) -> dist.Work | None:
@@ -504,10 +507,11 @@ class UnitSchedule:
 
 @torch.no_grad()
 def build_unit(name: str, params: list[torch.nn.Parameter], names: dict, param_dtype: torch.dtype | None,
-               init_fn: Callable[[str, torch.Tensor], None] | None, group=None) -> Unit:
+               init_fn: Callable[[str, torch.Tensor], None] | None, group=None, start_group=None) -> Unit:
     """Shard one unit over the ranks of `group` (None: all ranks): its full fp32 weights (rank 0's,
     broadcast, or made by init_fn for meta parameters) exist only inside this call; the Unit keeps
     this rank's shard, its fp32 master, a gradient shard and one ShardSlice per trainable parameter.
+    start_group: the ranks that start from its first rank's weights (None: all, rank 0's).
     Meta parameters are replaced by new ones in unit.params (the caller puts those into the modules)."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     layout = ShardLayout(sum(p.numel() for p in params), world_size)
@@ -522,7 +526,8 @@ def build_unit(name: str, params: list[torch.nn.Parameter], names: dict, param_d
         else:
             raise ValueError(f"{names[p]} is on the meta device: pass init_fn to make its weights")
     if not on_meta:
-        dist.broadcast(full, src=0)  # every rank starts from rank 0's weights, as in DDP
+        first = dist.get_global_rank(start_group, 0) if start_group is not None else 0
+        dist.broadcast(full, src=first, group=start_group)  # every rank starts from rank 0's weights, as in DDP
     start, stop = layout.shard(rank)
     master = full[start:stop].clone()
     compute_dtype = param_dtype or params[0].dtype
@@ -742,6 +747,7 @@ class Zero3Optimizer(ShardedModelState, OptimizerOverCopies):
     reshard_last    free the last unit of the forward pass after it (True), or keep it gathered
                     for the backward pass that starts with it: one all-gather less per step
     init_fn         init_fn(name, tensor) for a model made under meta_parameters()
+    group           shard over this process group's ranks only (None: all ranks): a mesh's dp group (lesson 17)
     **defaults      the optimizer's options (lr, weight_decay, ...)
     """
 
@@ -752,11 +758,16 @@ class Zero3Optimizer(ShardedModelState, OptimizerOverCopies):
 
     def __init__(self, model, optimizer_class=torch.optim.AdamW, params=None, *, param_dtype=None, max_grad_norm=None,
                  units=None, prefetch: int = 1, max_live_numel: int | None = None, reshard_last: bool = True,
-                 init_fn=None, **defaults):
+                 init_fn=None, group=None, **defaults):
         if prefetch not in (0, 1, 2):
             raise ValueError(f"prefetch is how many calls ahead to gather: 0, 1 or 2, got {prefetch!r}")
         self.model, self.max_grad_norm, self.last_grad_norm = model, max_grad_norm, None
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        if group is not None:
+            if type(self).__name__ != "Zero3Optimizer" or max_grad_norm is not None:
+                raise NotImplementedError(f"group= is built for Zero3Optimizer, not {type(self).__name__}, and without "
+                                          "max_grad_norm (its norm sums over all ranks)")
+            self.shard_group = group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         if isinstance(units, tuple):
             units = partial(lambda classes, module: isinstance(module, classes), units)
         groups = param_groups_of(model, params)
@@ -767,7 +778,7 @@ class Zero3Optimizer(ShardedModelState, OptimizerOverCopies):
         for name, module, owned, uses in sharding_units(model, units or default_is_unit):
             if owned:
                 unit_index[name] = len(self.units)
-                self.units.append(build_unit(name, owned, names, param_dtype, init_fn, self.shard_group))
+                self.units.append(build_unit(name, owned, names, param_dtype, init_fn, self.shard_group, group))
                 for old, new in zip(owned, self.units[-1].params):
                     if new is not old:
                         self._replace_parameter(old, new)
@@ -779,7 +790,7 @@ class Zero3Optimizer(ShardedModelState, OptimizerOverCopies):
         super().__init__(optimizer_class([{**g, "params": [master_of[p] for p in params]}
                                           for g, params in zip(groups, self.group_params)], **defaults))
         self.schedule = self.schedule_class(model, self.units, calls, prefetch=prefetch,
-                                            max_live_numel=max_live_numel, reshard_last=reshard_last)
+                                            max_live_numel=max_live_numel, reshard_last=reshard_last, group=group)
         self.hook_handles = self.schedule.handles + self._model_state_hooks()
         for p in self.schedule.unit_of:
             p.grad = None
