@@ -279,6 +279,16 @@ MUTANTS = {
         "pipeline_schedules"),
     "1F1B's drain counted from the warm-up, not from M - warm-up": (
         "    for m in range(stage.m - warmup, stage.m):\n", "    for m in range(warmup, stage.m):\n", "pipeline_schedules"),
+    "stage 1 shards the gradients too": ("    if stage >= 2:\n        gradients /= dp\n",
+                                         "    if stage >= 1:\n        gradients /= dp\n", "planner_states"),
+    "the pipeline's split forgotten (psi / tp)": ("    held = psi / (tp * pp)\n    weights,",
+                                                  "    held = psi / tp\n    weights,", "planner_states"),
+    "stage 3 keeps the weights whole": ("    if stage >= 3:\n        weights /= dp\n", "", "planner_states"),
+    "k bytes whole at stage 1 (optimizer state not sharded)": ("    if stage >= 1:\n        optimizer /= dp\n", "",
+                                                                "planner_states"),
+    "fp32 weights and gradients (4 bytes each)": ("    weights, gradients, optimizer = 2 * held, 2 * held, k * held\n",
+                                                  "    weights, gradients, optimizer = 4 * held, 4 * held, k * held\n",
+                                                  "planner_states"),
     "no causal mask": ("        att = F.softmax(att.masked_fill(~self.causal_mask[:T, :T], float(\"-inf\")), dim=-1)\n        return self.c_proj(",
                        "        att = F.softmax(att, dim=-1)\n        return self.c_proj(", "tp_attention"),
 }
@@ -290,7 +300,7 @@ def test_typical_mistakes_fail_their_graded_cell(mutant):
 
 
 def test_hidden_tests_are_worth_points(graded):
-    assert_reference_full_and_learner_zero(graded, LESSON, 18)
+    assert_reference_full_and_learner_zero(graded, LESSON, 20)
 
 
 def subgroup_is_fake():
@@ -368,3 +378,41 @@ def test_our_schedules_and_torch_pipelining_give_one_process_gradients(kind):
             for got, want in zip(grads, [p.grad for p in stage_of(model.layers, 3, rank).parameters()]):
                 # 4 micro-batches' partial means summed in another order than one batch: a few ulps of fp32
                 torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=f"{way}, {kind}, stage {rank}")
+
+
+GPT3 = dict(psi=175e9, layers=96, hidden=12288, heads=96, seq_len=2048)  # Megatron-LM's examples/gpt3 script
+CLUSTER = dict(flops=300e12, intra_node=200e9, inter_node=25e9)  # assumed figures: the tests check the arithmetic
+
+
+def test_every_plan_fits_splits_the_world_and_is_ranked_by_its_cost():
+    from zero_lab.planner import Transformer, activation_bytes, model_states_per_gpu, plan
+    model = Transformer(**GPT3)
+    plans = plan(model, 1024, 80e9, 1536, reserve=8e9, **CLUSTER)
+    assert plans, "175B on 1024 GPUs of 80 GB: some configuration fits"
+    for p in plans:
+        assert p.tp * p.pp * p.dp == 1024 and p.tp <= 8 and model.heads % p.tp == 0 and model.layers % p.pp == 0
+        assert p.dp * p.micro_batch * p.micro_batches == 1536
+        assert p.stage < 2 or p.pp == 1, "DeepSpeed refuses ZeRO-2/3 with a pipeline"
+        assert p.model_states == model_states_per_gpu(model.psi, p.tp, p.pp, p.dp, p.stage)
+        assert p.activations == activation_bytes(model, p.pp, p.micro_batch, p.micro_batches)
+        assert p.model_states + p.activations <= 72e9
+        assert p.bubble == (p.pp - 1) / (p.micro_batches + p.pp - 1)
+    costs = [p.step_seconds for p in plans]
+    assert costs == sorted(costs)
+    assert any((p.tp, p.pp, p.dp, p.stage) == (8, 16, 8, 0) for p in plans), "Megatron-LM's t = 8, p = 16 fits"
+    assert plan(model, 1024, 4e9, 1536, **CLUSTER) == [], "nothing fits 4 GB per GPU"
+
+
+def test_the_cost_model_terms_follow_their_formulas():
+    from zero_lab.planner import Transformer, step_seconds
+    model = Transformer(**GPT3)
+    got = step_seconds(model, tp=8, pp=16, dp=8, stage=1, micro_batch=1, micro_batches=192, **CLUSTER)
+    activation = 2 * 2048 * 12288  # one layer's input for one sequence, bf16 bytes
+    tokens = 8 * 192 * 2048
+    assert got["compute"] == pytest.approx(8 * 175e9 * tokens / (1024 * 300e12) * (192 + 15) / 192)
+    assert got["tp"] == pytest.approx(6 * 6 * 192 * activation * 2 * 7 / 8 / 200e9)  # 6 all-reduces, 6 layers
+    assert got["pp"] == pytest.approx(2 * 192 * activation / 25e9)
+    assert got["dp"] == pytest.approx(2 * 175e9 / 128 * 2 * 7 / 8 / 25e9)  # ZeRO-1: 2 psi' on the ring, bf16
+    stage_3 = step_seconds(model, tp=8, pp=1, dp=128, stage=3, micro_batch=1, micro_batches=4, **CLUSTER)
+    # ZeRO-3 with 4 micro-batches: two all-gathers and a reduce-scatter of psi' bf16 elements each
+    assert stage_3["dp"] == pytest.approx(3 * 4 * 2 * 175e9 / 8 * 127 / 128 / 25e9)
