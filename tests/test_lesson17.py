@@ -93,6 +93,14 @@ def refusals():
             found.append(None)
         except NotImplementedError as error:
             found.append(str(error))
+    # stage 3 over a group: what would gather over, or broadcast to, every rank is refused too
+    model, optimizer = zero_lab.prepare(GPT(CONFIG), torch.optim.AdamW, 3, group=group)
+    for call in (optimizer.consolidated_state_dict, lambda: optimizer.gathered_parameters(modifier_rank=0).__enter__()):
+        try:
+            call()
+            found.append(None)
+        except NotImplementedError as error:
+            found.append(str(error))
     return found
 
 

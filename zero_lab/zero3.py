@@ -559,6 +559,9 @@ class ShardedModelState:
         """Inside, the units of `params` (default: all) are gathered on every rank (call it on every
         rank). With modifier_rank, what that rank wrote into them is broadcast and becomes the new
         shards and fp32 masters on exit; otherwise changes are dropped."""
+        if modifier_rank is not None and self.process_group is not None:
+            raise NotImplementedError("gathered_parameters(modifier_rank=) broadcasts to all ranks, which group= does "
+                                      "not shard over: write through model.load_state_dict() instead")
         wanted = {self.schedule.unit_of[p] for p in params} if params is not None else set(self.units)
         units = [unit for unit in self.units if unit in wanted]
         for unit in units:
@@ -686,6 +689,9 @@ class ShardedModelState:
         {"model": an ordinary model state_dict (padding removed, tied names sharing one tensor),
         "optimizer": the state_dict of the same torch optimizer over the unsharded parameters}.
         """
+        if self.process_group is not None:
+            raise NotImplementedError("consolidated_state_dict gathers over all ranks, which group= does not shard "
+                                      "over: save each rank's state_dict() instead")
         values, states = {}, {}
         for unit in self.units:
             shard_states = {}
@@ -753,6 +759,7 @@ class Zero3Optimizer(ShardedModelState, OptimizerOverCopies):
 
     stage = 3
     schedule_class = UnitSchedule  # a subclass may bring its own (lesson 09's ZeRO++)
+    process_group = None  # group=: ZeRO over these ranks only (lesson 17's data-parallel axis)
     shard_group = None  # the ranks each unit is sharded over (None: all); a subclass that sets it (lesson
     # 09's HSDP: one node) brings a schedule that gathers and reduces over it
 
@@ -766,7 +773,7 @@ class Zero3Optimizer(ShardedModelState, OptimizerOverCopies):
             if type(self).__name__ != "Zero3Optimizer" or max_grad_norm is not None:
                 raise NotImplementedError(f"group= is built for Zero3Optimizer, not {type(self).__name__}, and without "
                                           "max_grad_norm (its norm sums over all ranks)")
-            self.shard_group = group
+            self.shard_group = self.process_group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         if isinstance(units, tuple):
             units = partial(lambda classes, module: isinstance(module, classes), units)
