@@ -13,20 +13,20 @@ from zero_lab import torch_versions
 REPO = Path(__file__).parents[1]
 
 
-@pytest.mark.parametrize("version", ["2.13.0", "2.13.0+cpu", "2.13.1+cu130"])
-@pytest.mark.parametrize("python", [(3, 10), (3, 13)])
+@pytest.mark.parametrize("version", ["2.14.1", "2.14.1+cpu", "2.14.2+cu130"])
+@pytest.mark.parametrize("python", [(3, 11), (3, 13)])
 def test_the_tested_versions_say_nothing(version, python):
     assert torch_versions.untested(version, python) is None
 
 
 @pytest.mark.parametrize("version, python, named", [
-    ("2.14.1+cu130", (3, 11), "PyTorch 2.14.1+cu130"), ("2.15.0", (3, 12), "PyTorch 2.15.0"),
-    ("2.11.0", (3, 11), "PyTorch 2.11.0"), ("2.13.0", (3, 14), "Python 3.14"),
+    ("2.13.0+cpu", (3, 11), "PyTorch 2.13.0+cpu"), ("2.15.0", (3, 12), "PyTorch 2.15.0"),
+    ("2.11.0", (3, 11), "PyTorch 2.11.0"), ("2.14.1", (3, 14), "Python 3.14"), ("2.14.1", (3, 10), "Python 3.10"),
     ("2.12.1", (3, 9), "PyTorch 2.12.1 and Python 3.9")])
 def test_an_untested_version_is_named_in_one_line_with_the_tested_ones(version, python, named):
     line = torch_versions.untested(version, python)
     assert "\n" not in line and f"this is {named};" in line
-    assert f"tested on PyTorch {torch_versions.PINNED} and Python 3.10-3.13" in line
+    assert f"tested on PyTorch {torch_versions.PINNED} and Python 3.11-3.13" in line
     # and the way to the tested stack
     assert ("PyTorch" in named) == (f"pip install torch=={torch_versions.PINNED}" in line)
     assert ("Python" in named) == ("PYTHON=python3.13 ./quickstart" in line)

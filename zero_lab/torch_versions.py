@@ -1,6 +1,6 @@
 """Which PyTorch and Python the course is tested on, and the one place that bridges older PyTorch.
 
-CI tests the pinned PyTorch (constraints.txt) on Python 3.10 to 3.13. Older PyTorch down to OLDEST
+CI tests the pinned PyTorch (constraints.txt); the suite is run on Python 3.11 to 3.13. Older PyTorch down to OLDEST
 runs the course too: torch 2.13 renamed two collectives (all_gather_into_tensor ->
 all_gather_single, reduce_scatter_tensor -> reduce_scatter_single, the old names deprecated), and
 the lessons use the new names; on an older torch, importing zero_lab's launcher or ledger adds
@@ -19,9 +19,9 @@ from importlib.util import find_spec
 from pathlib import Path
 
 OLDEST = (2, 11)  # FSDP2 (fully_shard) and the collectives the course uses, bridged below
-PINNED = "2.13.0"  # what constraints.txt pins and CI tests
-TESTED_TORCH = (2, 13)  # PINNED's minor version: its patch releases count as tested
-TESTED_PYTHON = ((3, 10), (3, 13))  # the oldest and newest Python the suite runs on
+PINNED = "2.14.1"  # what constraints.txt pins and CI tests
+TESTED_TORCH = (2, 14)  # PINNED's minor version: its patch releases count as tested
+TESTED_PYTHON = ((3, 11), (3, 13))  # the oldest and newest Python the suite runs on
 RENAMED = {"all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
 
 
