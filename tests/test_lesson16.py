@@ -224,11 +224,11 @@ MUTANTS = {
         "    pieces, base = [], 0\n    for params in buffers:\n        layout = ", BY_ELEMENT + "    pieces, base = [], 0\n"
         "    for params in buffers:\n        layout = ", "reshard_pieces"),
     "tensor-parallel parts cut as torch.chunk cuts (not tensor_split)": (
-        "    base, longer = divmod(n, t)\n    low = rank * base + min(rank, longer)\n    return low, low + base + (rank < longer)\n",
-        "    size = -(-n // t)\n    return min(n, rank * size), min(n, (rank + 1) * size)\n", "reshard_tp_pieces"),
+        "        base, longer = divmod(n, t)\n        low = rank * base + min(rank, longer)\n        return low, low + base + (rank < longer)\n",
+        "        size = -(-n // t)\n        return min(n, rank * size), min(n, (rank + 1) * size)\n", "reshard_tp_pieces"),
     "c_attn's rows cut as one block (not each of q, k, v)": (
         "        runs = [((block * width + low) * row, (high - low) * row) for block in range(3)]\n",
-        "        low, high = _part(rows, t, rank)\n        runs = [(low * row, (high - low) * row)]\n", "reshard_tp_pieces"),
+        "        low, high = part(rows)\n        runs = [(low * row, (high - low) * row)]\n", "reshard_tp_pieces"),
     "a checkpoint of the 16 bytes a parameter held in memory": (
         "    size = 12 * psi", "    size = 16 * psi", "reshard_checkpoint_schedule"),
     "the interval sqrt(δ·M), without the 2": ("math.sqrt(2 * save * mtbf_seconds)", "math.sqrt(save * mtbf_seconds)",

@@ -17,31 +17,31 @@ import torch
 SPLITS = ("whole", "rows", "columns", "heads")
 
 
-def _part(n: int, t: int, rank: int) -> tuple[int, int]:
-    """[low, high) of part `rank` when torch.tensor_split cuts n items into t parts (the longer parts first)."""
-    base, longer = divmod(n, t)
-    low = rank * base + min(rank, longer)
-    return low, low + base + (rank < longer)
-
-
 def tp_pieces(name: str, shape, split: str, t: int, rank: int) -> list:
     """The pieces of parameter `name` (full `shape`) that tensor-parallel rank `rank` of `t` holds, offsets in its local
     tensor (flattened). split: "whole", "rows" (column-parallel), "columns" (row-parallel) or "heads" (c_attn's
     [q; k; v] rows, the rank's heads in each). Merged where they continue each other; work in proportion to them."""
     if split not in SPLITS:
         raise ValueError(f"split {split!r} is none of {SPLITS}")
+
+    def part(n: int) -> tuple[int, int]:
+        """[low, high) of this rank's part when torch.tensor_split cuts n items into t (the longer parts first)."""
+        base, longer = divmod(n, t)
+        low = rank * base + min(rank, longer)
+        return low, low + base + (rank < longer)
+
     rows, row = shape[0], math.prod(shape[1:])
     if split == "whole":
         runs = [(0, rows * row)]
     elif split == "rows":
-        low, high = _part(rows, t, rank)
+        low, high = part(rows)
         runs = [(low * row, (high - low) * row)]
     elif split == "heads":
         width = rows // 3
-        low, high = _part(width, t, rank)
+        low, high = part(width)
         runs = [((block * width + low) * row, (high - low) * row) for block in range(3)]
     else:
-        low, high = _part(shape[1], t, rank)
+        low, high = part(shape[1])
         runs = [(r * shape[1] + low, high - low) for r in range(rows)]
     pieces, offset = [], 0
     for start, numel in runs:
