@@ -51,6 +51,7 @@ def shard_pieces(buffers: list[list[tuple[str, tuple[int, ...]]]], world_size: i
 
     buffers[b] lists the (name, shape) of flat buffer b's parameters in layout order; each buffer is
     cut by ShardLayout(its numel, world_size), and the rank's shards of all buffers are laid end to end.
+    Work: in proportion to the parameters, never to their elements.
     """
     pieces, base = [], 0
     for params in buffers:
@@ -93,7 +94,7 @@ def load_plan(saved: list[list[Piece]], wanted: list[Piece]) -> list[Read]:
 
     Reads are ordered by `to`, each element read once; a read that continues the previous one in the same
     file and in the shards is merged into it. A wanted parameter the checkpoint lacks, saved with another
-    shape, or not covered whole, raises ValueError naming it.
+    shape, or not covered whole, raises ValueError naming it. Work: in proportion to the pieces, not the elements.
     """
     holders = defaultdict(list)
     for rank, pieces in enumerate(saved):
@@ -476,7 +477,8 @@ def _group_params(optimizer) -> list[list]:
 
 def _quietly(call, *args, **kwargs):
     """call(...) without torch's FutureWarning that ShardedTensor is deprecated: it is the type of DCP that takes
-    any boxes a rank holds, where a DTensor's placements cut every rank an equal part of each dimension."""
+    any boxes a rank holds, where a DTensor's Shard placement cuts each dimension into contiguous parts in rank
+    order, as torch.chunk does: a flat piece that starts inside a row is no such part."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Please use DTensor instead", FutureWarning)
         return call(*args, **kwargs)
