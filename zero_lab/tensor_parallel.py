@@ -10,6 +10,7 @@ TensorParallelAttention   causal self-attention with its heads split over the gr
 tensor_parallel_gpt       the course GPT with every block's attention and MLP split over the group (in place)
 torch_tensor_parallel_gpt the same split with torch.distributed.tensor.parallel (DTensor), to compare
 zero_on_mesh, my_rows     the GPT split over a mesh's tp group, ZeRO over its dp group; this rank's rows of a batch
+clip_grad_norm_on_mesh    the global gradient norm over a mesh's dp and tp groups, and the clipping (stages 1, 2)
 TensorParallelLinears     Linear pairs split over the tp group, for counting at scale in lesson 13's fake world
 largest_on_mesh           the paper's Table 2 at MP-way model parallelism: the widest model that fits, counted
 """
