@@ -304,8 +304,8 @@ MUTANTS = {
     "activations not counted": ("                    if states + activations > memory_per_gpu - reserve:\n",
                                 "                    if states > memory_per_gpu - reserve:\n", "planner_search"),
     "a batch that dp * micro-batch does not divide kept (M floored)": (
-        "                    if global_batch % (dp * micro_batch):\n                        continue\n", "",
-        "planner_search"),
+        "                    if global_batch % (dp * micro_batch):\n",
+        "                    if global_batch < dp * micro_batch:\n", "planner_search"),
     "k not passed on": ("model_states_per_gpu(model.psi, tp, pp, dp, stage, k)",
                         "model_states_per_gpu(model.psi, tp, pp, dp, stage)", "planner_search"),
     "ranked by compute alone": (
