@@ -2,12 +2,15 @@
 
 """Planning 3D parallelism (lesson 17): which (tp, pp, dp, ZeRO stage, micro-batches) fit, which is cheapest.
 
-model_states_per_gpu  the ZeRO paper's model states (§5.1) of the psi/(tp*pp) parameters one GPU holds
-Transformer           the model planned for: parameters and shape
-Plan                  one configuration: its bytes per GPU and its step time under the lesson's cost model
-activation_bytes      the activation checkpoints the first stage of a 1F1B pipeline keeps
-step_seconds          the cost model: compute stretched by the bubble, tp, pp and dp bytes over their links
-plan                  every configuration that fits, cheapest first
+model_states_per_gpu     the ZeRO paper's model states (§5.1) of the psi/(tp*pp) parameters one GPU holds
+Transformer              the model planned for: parameters and shape
+Plan                     one configuration: its bytes per GPU and its step time under the lesson's cost model
+activation_bytes         the activation checkpoints the first stage of a 1F1B pipeline keeps
+step_seconds             the cost model: compute stretched by the bubble, tp, pp and dp bytes over their links
+plan                     every configuration that fits, cheapest first (exercise 6)
+tokens_per_step          the tokens a plan's step trains on
+training_days            days to train on a number of tokens at the plan's step time
+model_flops_utilization  model FLOPs per second (6 psi per token) over the GPUs' peak
 """
 
 from __future__ import annotations
@@ -19,14 +22,8 @@ def model_states_per_gpu(psi: float, tp: int, pp: int, dp: int, stage: int, k: i
     """Bytes of model states on one GPU: 2 bytes of weights, 2 of gradients, k of optimizer state per parameter
     it holds (psi / (tp * pp)); ZeRO stage 1 shards the optimizer state over dp, 2 the gradients too, 3 all."""
     held = psi / (tp * pp)
-    weights, gradients, optimizer = 2 * held, 2 * held, k * held
-    if stage >= 1:
-        optimizer /= dp
-    if stage >= 2:
-        gradients /= dp
-    if stage >= 3:
-        weights /= dp
-    return weights + gradients + optimizer
+    sharded = {0: 0, 1: k, 2: 2 + k, 3: 4 + k}[stage]  # bytes per parameter split over the dp group
+    return (4 + k - sharded) * held + sharded * held / dp
 
 
 @dataclass(frozen=True)
@@ -88,22 +85,39 @@ def step_seconds(model: Transformer, tp: int, pp: int, dp: int, stage: int, micr
     return {"compute": compute, "tp": tp_bytes / intra_node, "pp": pp_bytes / inter_node, "dp": dp_bytes / inter_node}
 
 
+def tokens_per_step(model: Transformer, plan: Plan) -> int:
+    return plan.dp * plan.micro_batches * plan.micro_batch * model.seq_len
+
+
+def training_days(model: Transformer, plan: Plan, tokens: float) -> float:
+    """Days to train on `tokens` at the plan's step time: Narayanan et al. 2021's Eq. 4, 8TP/(nX), with the
+    throughput X per GPU that the cost model gives (8 psi flops per token over the step's GPU-seconds)."""
+    return tokens / tokens_per_step(model, plan) * plan.step_seconds / 86400
+
+
+def model_flops_utilization(model: Transformer, plan: Plan, peak_flops: float) -> float:
+    """Model FLOPs per second over the GPUs' peak: 6 psi per token (forward 2, backward 4), not the recomputed
+    forward, which the step pays for but the model does not need."""
+    gpus = plan.tp * plan.pp * plan.dp
+    return 6 * model.psi * tokens_per_step(model, plan) / plan.step_seconds / (gpus * peak_flops)
+
+
 def plan(model: Transformer, gpus: int, memory_per_gpu: float, global_batch: int, *, flops: float,
          intra_node: float, inter_node: float, gpus_per_node: int = 8, micro_batch_sizes=(1, 2, 4),
-         stages=(0, 1, 2, 3), reserve: float = 0.0, k: int = 12) -> list[Plan]:
-    """Every (tp, pp, dp, ZeRO stage, micro-batch size) on `gpus` whose model states and activations fit
-    memory_per_gpu - reserve bytes, cheapest step first (equal steps: the lighter first). tp stays inside a node and divides the heads, pp divides
-    the layers; global_batch sequences per step make M = global_batch / (dp * micro-batch size) micro-batches;
-    ZeRO-2/3 only without a pipeline (DeepSpeed refuses them with one)."""
+         stages=(0, 1, 2, 3), reserve: float = 0.0, k: int = 12, zero23_with_pipeline: bool = False) -> list[Plan]:
+    """Every valid (tp, pp, dp, ZeRO stage, micro-batch size) on `gpus` whose model states and activations fit
+    memory_per_gpu - reserve bytes, cheapest step first (equal steps: the lighter first). tp divides gpus_per_node
+    and the heads, pp the layers; M = global_batch / (dp * micro-batch size) is whole; ZeRO-2/3 with a pipeline
+    only if zero23_with_pipeline (DeepSpeed refuses them)."""
     divisors = lambda n: [d for d in range(1, n + 1) if n % d == 0]
     plans = []
-    for tp in divisors(min(gpus_per_node, model.heads)):
+    for tp in divisors(gpus_per_node):
         for pp in divisors(model.layers):
             if model.heads % tp or gpus % (tp * pp):
                 continue
             dp = gpus // (tp * pp)
             for stage in stages:
-                if stage >= 2 and pp > 1:
+                if stage >= 2 and pp > 1 and not zero23_with_pipeline:
                     continue
                 for micro_batch in micro_batch_sizes:
                     if global_batch % (dp * micro_batch):
@@ -116,4 +130,4 @@ def plan(model: Transformer, gpus: int, memory_per_gpu: float, global_batch: int
                     seconds = step_seconds(model, tp, pp, dp, stage, micro_batch, m, flops, intra_node, inter_node)
                     plans.append(Plan(tp, pp, dp, stage, micro_batch, m, states, activations, (pp - 1) / (m + pp - 1),
                                       seconds))
-    return sorted(plans, key=lambda p: (p.step_seconds, p.model_states + p.activations))  # ties: the lighter first
+    return sorted(plans, key=lambda p: (p.step_seconds, p.model_states + p.activations))

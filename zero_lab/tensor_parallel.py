@@ -10,6 +10,7 @@ TensorParallelAttention   causal self-attention with its heads split over the gr
 tensor_parallel_gpt       the course GPT with every block's attention and MLP split over the group (in place)
 torch_tensor_parallel_gpt the same split with torch.distributed.tensor.parallel (DTensor), to compare
 zero_on_mesh, my_rows     the GPT split over a mesh's tp group, ZeRO over its dp group; this rank's rows of a batch
+clip_grad_norm_on_mesh    the global gradient norm over a mesh's dp and tp groups, and the clipping (stages 1, 2)
 TensorParallelLinears     Linear pairs split over the tp group, for counting at scale in lesson 13's fake world
 largest_on_mesh           the paper's Table 2 at MP-way model parallelism: the widest model that fits, counted
 """
@@ -22,6 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+if __name__ != "__main__":  # in the notebook, the Mesh of your cells above
+    from zero_lab.mesh import Mesh
 
 
 class CopyToTensorParallel(torch.autograd.Function):
@@ -156,12 +160,38 @@ def zero_on_mesh(model: nn.Module, mesh, optimizer_class=torch.optim.AdamW, stag
 
 
 def my_rows(batch_size: int, mesh) -> torch.Tensor:
-    """The global batch's rows this rank trains on: its dp coordinate's piece; the same across its tp group."""
+    """The global batch's rows this rank trains on: its dp coordinate's equal piece; the same across its tp group."""
+    if batch_size % mesh.size("dp"):
+        raise ValueError(f"a batch of {batch_size} rows does not split evenly over {mesh.size('dp')} data-parallel ranks")
     return torch.arange(batch_size).tensor_split(mesh.size("dp"))[mesh.coordinate("dp")]
 
 
-if __name__ != "__main__":
-    from zero_lab.mesh import Mesh
+@torch.no_grad()
+def clip_grad_norm_on_mesh(model: nn.Module, optimizer, mesh, max_norm: float) -> torch.Tensor:
+    """Clip zero_on_mesh's gradient (stage 1 or 2) to a global L2 norm <= max_norm, after backward and before
+    optimizer.step(); return the norm, the same on every rank. One sum of squares over the dp group (the shards of
+    this tp slice), one over the tp group (the slices; what every tp rank holds whole counted on tp rank 0 only)."""
+    from zero_lab.zero1 import param_views
+
+    if not hasattr(optimizer, "_reduce_into_masters"):
+        raise NotImplementedError(f"clip_grad_norm_on_mesh is built for stages 1 and 2 (each rank a flat shard of "
+                                  f"the gradient), not {type(optimizer).__name__}")
+    split = {id(p) for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+             for name, p in m.named_parameters(recurse=False) if name == "weight" or isinstance(m, ColumnParallelLinear)}
+    optimizer._reduce_into_masters()  # the averaged gradient shards: step() will not reduce them again
+    squares = torch.zeros((), dtype=torch.float32)
+    for group in optimizer.groups:
+        counted = torch.zeros(group.layout.padded_numel)  # 1 where this rank's square counts; padding stays 0
+        for p, view in zip(group.params, param_views(counted, group.params)):
+            view.fill_(float(id(p) in split or mesh.coordinate("tp") == 0))
+        start, stop = group.layout.shard(optimizer.rank)
+        squares += (group.master.grad.float().pow(2) * counted[start:stop]).sum()
+    dist.all_reduce(squares, group=mesh.group("dp"))  # this tp slice's squared norm
+    dist.all_reduce(squares, group=mesh.group("tp"))  # the whole model's
+    norm = squares.sqrt()
+    for group in optimizer.groups:
+        group.master.grad.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return norm
 
 
 class TensorParallelLinears(nn.Module):
