@@ -110,8 +110,9 @@ MUTANTS = {
     "the backend left in op": ('op=entry["profiling_name"].split(":", 1)[-1]', 'op=entry["profiling_name"]', "calls_of"),
     "sizes not compared": ("len({(c.op, c.sizes) for c in present}) > 1", "len({c.op for c in present}) > 1",
                            "first_mismatch"),
-    "the last mismatch of a group": ("for seq in sorted({s for g, s, _ in at if g == group}):",
-                                     "for seq in sorted({s for g, s, _ in at if g == group}, reverse=True):",
+    "the last mismatch of a group": ("for seq in sorted({s for g, s, _ in at if g == group and s >= first_covered}):",
+                                     "for seq in sorted({s for g, s, _ in at if g == group and s >= first_covered}, "
+                                     "reverse=True):",
                                      "first_mismatch"),
     "the latest group's mismatch": ("min(found, key=lambda item: item[0])", "max(found, key=lambda item: item[0])",
                                     "first_mismatch"),
@@ -164,9 +165,10 @@ def test_typical_mistakes_fail_their_graded_cell(mutant):
     assert_mutant_fails(LESSON, *MUTANTS[mutant])
 
 
-def test_first_mismatch_names_exercise_1_when_calls_of_is_wrong():
-    namespace, source = graded_cell_with(LESSON, "first_mismatch", *MUTANTS["the backend left in op"][:2])
-    with pytest.raises(AssertionError, match=r"Exercise 1"):
+@pytest.mark.parametrize("mutant", ["the backend left in op", "done read from 'state', which gloo leaves 'scheduled'"])
+def test_first_mismatch_names_exercise_1_when_calls_of_is_wrong(mutant):
+    namespace, source = graded_cell_with(LESSON, "first_mismatch", *MUTANTS[mutant][:2])
+    with pytest.raises(AssertionError, match=r"exercise 1 \(`calls_of`\) is wrong"):
         exec(compile(source, "first_mismatch", "exec"), namespace)
 
 

@@ -114,13 +114,12 @@ def first_mismatch(dumps: dict[int, dict]) -> Mismatch | None:
             here = {rank: at.get((group, seq, rank)) for rank in sorted(ranks)}
             present = [c for c in here.values() if c is not None]
             if len(present) < len(here) or len({(c.op, c.sizes) for c in present}) > 1:
-                found.append((min(c.created_ns for c in present), group, seq, here))
+                found.append((min(c.created_ns for c in present), group, seq, here, present))
                 break
     if not found:
         return None
-    _, group, seq, here = min(found, key=lambda item: item[0])
+    _, group, seq, here, present = min(found, key=lambda item: item[0])
     missing = tuple(rank for rank, c in here.items() if c is None)
-    present = [c for c in here.values() if c is not None]
     if missing:
         pending = [next((c for c in calls[rank] if not c.done), None) for rank in missing]
         elsewhere = any(p is not None and p.group != group and any((p.op, p.sizes) == (c.op, c.sizes) for c in present)
