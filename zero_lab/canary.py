@@ -16,7 +16,6 @@ SILENT_CAUSES                 the diagnosis vocabulary
 import copy
 import math
 import time
-import random
 from collections import Counter
 from dataclasses import dataclass, field
 
