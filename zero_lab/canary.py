@@ -7,9 +7,10 @@ replicas_agree, update_error  the first two checks (exercises 3 and 4)
 ReduceLedger, average_grads_  which micro-batches each gradient held when this rank entered its reduce
 contribution_gaps             the third check (exercise 5): did every rank bring every micro-batch?
 Canary                        a single-process shadow of each step, and both checks after it
-Setup, BASELINES, SILENT      the runs: correct ones through zero_lab.prepare, silent bugs by hand
-SILENT_CAUSES                 the diagnosis vocabulary of the silent runs
-run_with_canary               train one Setup for some steps in a rank, the canary watching
+Setup, BASELINES              the runs: correct ones through zero_lab.prepare and by hand (zero_lab.silent_runs:
+                              the silent bugs, under neutral labels)
+run_with_canary, evidence_of  train one Setup for some steps in a rank, the canary watching; what it saw, as data
+SILENT_CAUSES                 the diagnosis vocabulary
 """
 
 import copy
@@ -89,8 +90,9 @@ class ReduceLedger:
         self.held[name] = self.held.get(name, 0) + 1 if same_tensor else 1
         self._grads[name] = p.grad
 
-    def entered(self, name: str) -> None:
-        self.entries[name] = self.held.get(name, 0)
+    def entered(self, name: str, grad: torch.Tensor | None) -> None:
+        """This rank enters `name`'s reduce with `grad`: what the hooks counted in it (0 if no backward reached it)."""
+        self.entries[name] = self.held.get(name, 0) if grad is not None and grad is self._grads.get(name) else 0
 
     def take(self) -> dict[str, int]:
         """This step's entries; the next step starts a new ledger page."""
@@ -101,7 +103,7 @@ class ReduceLedger:
 def average_grads_(model: torch.nn.Module, ledger: ReduceLedger) -> None:
     """Every gradient all-reduced and divided by the number of ranks, the ledger noting what each held on entry."""
     for name, p in model.named_parameters():
-        ledger.entered(name)
+        ledger.entered(name, p.grad)
         dist.all_reduce(p.grad)
         p.grad /= dist.get_world_size()
 
@@ -119,9 +121,15 @@ def contribution_gaps(entries: dict[str, int], expected: int) -> dict[str, dict[
     return gaps
 
 
+def row_losses(model: torch.nn.Module, micro_batch) -> torch.Tensor:
+    """Each row's squared error (mean over its outputs), 0 for the rows the micro-batch's mask leaves out."""
+    x, y, valid = micro_batch
+    return F.mse_loss(model(x.to(next(model.parameters()).dtype)).float(), y, reduction="none").mean(dim=1) * valid
+
+
 def loss_of(model: torch.nn.Module, micro_batch) -> torch.Tensor:
-    x, y = micro_batch
-    return F.mse_loss(model(x.to(next(model.parameters()).dtype)).float(), y)
+    """The micro-batch's mean loss over its valid rows (all rows, in a run without a mask)."""
+    return row_losses(model, micro_batch).sum() / micro_batch[2].sum().clamp(min=1)
 
 
 class Canary:
@@ -138,7 +146,8 @@ class Canary:
             for name, p in self.shadow.named_parameters():
                 p.copy_(before[name])
         self.shadow.zero_grad(set_to_none=True)
-        loss = sum(loss_of(self.shadow, micro_batch) for micro_batch in micro_batches) / len(micro_batches)
+        # the global batch's mean over its valid rows: every valid row weighs the same, whichever rank holds it
+        loss = sum(row_losses(self.shadow, mb).sum() for mb in micro_batches) / sum(mb[2].sum() for mb in micro_batches)
         loss.backward()
         for optimizer in self.optimizers:
             optimizer.step()
@@ -175,15 +184,18 @@ class TwoExperts(torch.nn.Module):
 
 @dataclass(frozen=True)
 class Setup:
-    """One run: `build(model)` makes it in a rank and returns (the model to read weights from, step), where
-    step(micro_batches) is one optimizer step on this rank's micro-batches, returning its ReduceLedger's entries
-    (None for a run without a ledger); `optimizers(model)` is what the run means to do, for the shadow."""
+    """One run: `build(model)` makes it in a rank and returns (the model to read weights from, step, the optimizers
+    it steps), where step(micro_batches) is one optimizer step on this rank's micro-batches (x, y, valid rows),
+    returning its ReduceLedger's entries (None for a run without a ledger); `optimizers(model)` is what the run
+    means to do, for the shadow. `masked`: some rows of each micro-batch do not count (as padding or prompt tokens
+    do not), so the ranks hold different numbers of valid rows."""
 
     name: str
     build: object
     optimizers: object
     tolerance: float = FP32_TOLERANCE
     model: object = field(default=lambda: MLP(SIZES, seed=0))
+    masked: bool = False
     report: str = ""  # the public report it is modelled on
 
 
@@ -209,7 +221,7 @@ def prepared(stage: int, optimizer_class=torch.optim.AdamW, **options):
     """A correct run: zero_lab.prepare at `stage`, the ordinary loop."""
     def build(model):
         model, optimizer = prepare(model, optimizer_class, stage=stage, **options)
-        return model, lambda micro_batches: accumulate_and_step(model, [optimizer], micro_batches)
+        return model, lambda micro_batches: accumulate_and_step(model, [optimizer], micro_batches), [optimizer]
     return build
 
 
@@ -225,11 +237,29 @@ def by_hand(model):
         optimizer.step()
         optimizer.zero_grad()
         return ledger.take()
-    return model, step
+    return model, step, [optimizer]
+
+
+def token_mean_by_hand(model):
+    """A correct run with a mask: each rank's loss is its valid rows' sum over the global number of valid rows (one
+    all-reduce of a count), times the number of ranks, which the average of the gradients divides out again."""
+    ledger, optimizer = ReduceLedger(model), torch.optim.AdamW(model.parameters(), **ADAMW)
+
+    def step(micro_batches):
+        valid = torch.stack([valid for _, _, valid in micro_batches]).sum()
+        dist.all_reduce(valid)
+        for micro_batch in micro_batches:
+            (row_losses(model, micro_batch).sum() * dist.get_world_size() / valid).backward()
+        average_grads_(model, ledger)
+        optimizer.step()
+        optimizer.zero_grad()
+        return ledger.take()
+    return model, step, [optimizer]
 
 
 BASELINES = [
     Setup("data parallel by hand", by_hand, adamw),
+    Setup("rows masked, the global mean by hand", token_mean_by_hand, adamw, masked=True),
     Setup("stage 0 (DDP)", prepared(0, **ADAMW), adamw),
     Setup("stage 1", prepared(1, **ADAMW), adamw),
     Setup("stage 2", prepared(2, **ADAMW), adamw),
@@ -240,147 +270,60 @@ BASELINES = [
 ]
 
 
-def _last_micro_batch_only(model):
-    ledger, optimizer = ReduceLedger(model), torch.optim.AdamW(model.parameters(), **ADAMW)
-
-    def step(micro_batches):
-        for micro_batch in micro_batches:
-            model.zero_grad(set_to_none=True)  # each backward taken for a boundary, which resets the accumulator
-            (loss_of(model, micro_batch) / len(micro_batches)).backward()
-        average_grads_(model, ledger)
-        optimizer.step()
-        optimizer.zero_grad()
-        return ledger.take()
-    return model, step
-
-
-def _boundary_micro_batch_local(model):
-    ledger, optimizer = ReduceLedger(model), torch.optim.AdamW(model.parameters(), **ADAMW)
-
-    def step(micro_batches):
-        for micro_batch in micro_batches[:-1]:
-            (loss_of(model, micro_batch) / len(micro_batches)).backward()
-        average_grads_(model, ledger)  # the all-reduce runs before the last micro-batch's gradient is in
-        (loss_of(model, micro_batches[-1]) / len(micro_batches)).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return ledger.take()
-    return model, step
-
-
-def _bf16_accumulation(model):
-    ledger, optimizer = ReduceLedger(model), torch.optim.AdamW(model.parameters(), **ADAMW)
-
-    def step(micro_batches):
-        sums = [torch.zeros_like(p, dtype=torch.bfloat16) for p in model.parameters()]
-        for micro_batch in micro_batches:
-            (loss_of(model, micro_batch) / len(micro_batches)).backward()
-            for total, p in zip(sums, model.parameters()):
-                total += p.grad  # the accumulator is bf16: each addition rounds to 8 significant bits
-                p.grad.zero_()
-        for total, p in zip(sums, model.parameters()):
-            p.grad.copy_(total)
-        average_grads_(model, ledger)
-        optimizer.step()
-        optimizer.zero_grad()
-        return ledger.take()
-    return model, step
-
-
-def _no_fp32_masters(model):
-    model = model.to(torch.bfloat16)  # the upcast to fp32 that did not happen: the optimizer steps bf16 weights
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
-
-    def step(micro_batches):
-        for micro_batch in micro_batches:
-            (loss_of(model, micro_batch) / len(micro_batches)).backward()
-        for p in model.parameters():
-            grad = p.grad.float()
-            dist.all_reduce(grad)
-            p.grad = (grad / dist.get_world_size()).to(p.dtype)
-        optimizer.step()
-        optimizer.zero_grad()
-    return model, step
-
-
-def _muon_without_newton_schulz(model):
-    matrices, others = split_params(model)
-    # what Muon's step does once the orthogonalisation never ran: w <- w(1 - lr wd) - lr grad, i.e. SGD
-    optimizers = [torch.optim.SGD(matrices, **MUON), torch.optim.AdamW(others, **ADAMW)]
-    ledger = ReduceLedger(model)
-
-    def step(micro_batches):
-        for micro_batch in micro_batches:
-            (loss_of(model, micro_batch) / len(micro_batches)).backward()
-        average_grads_(model, ledger)
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
-        return ledger.take()
-    return model, step
-
-
-def _muon_on_flat_shards(model):
-    # Muon's test "p.ndim >= 2", asked of flat shards (shape (0,) placeholders): no matrix qualifies, all go to
-    # AdamW, so the run is the hand-written AdamW one where Muon was asked for
-    return by_hand(model)
-
-
-def _experts_left_stale(model):
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
-
-    def step(micro_batches):
-        for micro_batch in micro_batches:
-            (loss_of(model, micro_batch) / len(micro_batches)).backward()
-        for p in model.parameters():  # an unused expert takes part with zeros, so no rank hangs...
-            grad = torch.zeros_like(p) if p.grad is None else p.grad
-            dist.all_reduce(grad)
-            if p.grad is not None:  # ...but a rank whose rows never reached it keeps None, and skips its update
-                p.grad = grad / dist.get_world_size()
-        optimizer.step()
-        optimizer.zero_grad()
-    return model, step
-
-
-SILENT = [
-    Setup("A", _last_micro_batch_only, adamw, report="allenai/open-instruct#1498"),
-    Setup("B", _boundary_micro_batch_local, adamw, report="deepspeedai/DeepSpeed#7985"),
-    Setup("C", _bf16_accumulation, adamw, report="deepspeedai/DeepSpeed#2768"),
-    Setup("D", _no_fp32_masters, adamw, report="huggingface/accelerate#3979"),
-    Setup("E", _muon_without_newton_schulz, muon_and_adamw, MUON_TOLERANCE, report="deepspeedai/DeepSpeed#8441"),
-    Setup("F", _muon_on_flat_shards, muon_and_adamw, MUON_TOLERANCE, report="deepspeedai/DeepSpeed#8438"),
-    Setup("G", _experts_left_stale, adamw, model=TwoExperts, report="deepspeedai/DeepSpeed#5008"),
-]
-
-
-def run_with_canary(setup: Setup, steps: int, seed: int = 1) -> list[dict]:
-    """Train `setup` for `steps` steps in this rank, the canary checking each: one dict per step, Canary.check's
-    with the seconds of the step (and of reading the weights before it) and of the canary's check."""
+def _train(setup: Setup, steps: int, seed: int) -> tuple[list[dict], torch.nn.Module, list, Canary]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = setup.model()
     canary = Canary(model, setup.optimizers, setup.tolerance)
-    model, step = setup.build(model)
+    model, step, optimizers = setup.build(model)
     reports = []
     for x, y in regression_batches(steps, GLOBAL_ROWS, SIZES[0], SIZES[-1], seed=seed):
-        micro_batches = [list(zip(*(t.chunk(MICRO_STEPS) for t in shard_batch((x, y), r, world_size))))
+        valid = (x[:, -1] > -0.25).float() if setup.masked else torch.ones(len(x))  # about 60% of the rows count
+        micro_batches = [list(zip(*(t.chunk(MICRO_STEPS) for t in shard_batch((x, y, valid), r, world_size))))
                          for r in range(world_size)]
         start = time.perf_counter()
         before = full_weights(model)
         ledger = step(micro_batches[rank])
         stepped = time.perf_counter()
         report = canary.check(before, full_weights(model), [m for ranks in micro_batches for m in ranks], ledger or {})
-        reports.append(dict(report, step_s=stepped - start, canary_s=time.perf_counter() - stepped))
-    return reports
+        valid_rows = [int(sum(mb[2].sum() for mb in ranks)) for ranks in micro_batches]
+        reports.append(dict(report, valid_rows=valid_rows, step_s=stepped - start, canary_s=time.perf_counter() - stepped))
+    return reports, model, optimizers, canary
+
+
+def run_with_canary(setup: Setup, steps: int, seed: int = 1) -> list[dict]:
+    """Train `setup` for `steps` steps in this rank, the canary checking each: one dict per step, Canary.check's
+    with the valid rows of each rank, the seconds of the step (and of reading the weights before it) and of the
+    canary's check."""
+    return _train(setup, steps, seed)[0]
+
+
+def _holdings(optimizers) -> dict[str, int]:
+    """{optimizer class: how many parameters it steps}."""
+    held = Counter()
+    for optimizer in optimizers:
+        held[type(optimizer).__name__] += sum(len(group["params"]) for group in optimizer.param_groups)
+    return dict(sorted(held.items()))
+
+
+def evidence_of(setup: Setup, steps: int, seed: int = 1) -> dict:
+    """What an engineer on call has of a run, without its code: its configuration (the optimizers it was meant to
+    use and those it steps, each with how many parameters it holds; its weights' dtype) and the canary's reports."""
+    reports, model, optimizers, canary = _train(setup, steps, seed)
+    return {"world_size": dist.get_world_size(), "micro_batches": MICRO_STEPS, "meant": _holdings(canary.optimizers),
+            "optimizers": _holdings(optimizers), "weights_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "steps": [{key: report[key] for key in ("loss", "update_error", "odd_ranks", "ledger_gaps", "valid_rows",
+                                                     "flagged", "step_s", "canary_s")} for report in reports]}
 
 
 SILENT_CAUSES = {  # in alphabetical order; three fit none of the runs
     "accumulator-reset": "each micro-batch's backward reset the accumulated gradient: only the last reached the step",
     "learning-rate-not-scaled": "the learning rate was not adapted to the global batch size",
+    "loss-normalised-per-rank": "each rank divided its loss by its own number of valid rows, not by the global number",
     "low-precision-accumulation": "the micro-batches' gradients were summed in 16 bits",
     "missing-average": "gradients were summed over ranks where they should have been averaged",
     "no-fp32-master-weights": "the optimizer updated 16-bit weights: there was no fp32 master copy",
     "optimizer-chosen-by-shard-shape": "which optimizer a parameter gets was decided from its flat shard's shape",
-    "orthogonalisation-skipped": "Muon's update was applied without Newton-Schulz: plain SGD",
+    "orthogonalisation-skipped": "Muon's update was applied without Newton-Schulz: its momentum, not orthogonalised",
     "reduced-before-last-micro-batch": "gradients were averaged before the last micro-batch's was added: it stayed local",
     "same-seed-every-rank": "every rank drew the same data",
     "update-skipped-without-local-gradient": "a rank without a local gradient for a parameter skipped its update",

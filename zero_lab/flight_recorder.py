@@ -59,8 +59,9 @@ class Call:
     stack: tuple[str, ...]  # rank_stack of the frames that issued it, innermost first
 
 
-def fake_dump(calls: list[Call]) -> dict:
-    """A dump in the Flight Recorder's format holding `calls` (its fields calls_of reads; gloo's pg_config)."""
+def fake_dump(calls: list[Call], keep: int | None = None) -> dict:
+    """A dump in the Flight Recorder's format holding `calls` (its fields calls_of reads; gloo's pg_config); with
+    `keep`, only the last `keep` of them, as a ring buffer of that size keeps them (record_id still counts them all)."""
     entries = []
     for record_id, call in enumerate(calls):
         frames = [dict(zip(("filename", "line", "name"), re.fullmatch(r"(.+):(\d+) in (.+)", where).groups()))
@@ -70,7 +71,8 @@ def fake_dump(calls: list[Call]) -> dict:
                         "input_sizes": [list(size) for size in call.sizes], "retired": call.done,
                         "state": "scheduled", "time_created_ns": call.created_ns,
                         "frames": [dict(frame, line=int(frame["line"])) for frame in frames], "is_p2p": False})
-    return {"version": "2.10", "pg_config": {"": {"name": "", "desc": "", "ranks": "[]"}}, "entries": entries}
+    return {"version": "2.10", "pg_config": {"": {"name": "", "desc": "", "ranks": "[]"}},
+            "entries": entries[-keep:] if keep else entries}
 
 
 def calls_of(dump: dict) -> list[Call]:
@@ -97,23 +99,27 @@ class Mismatch:
 def first_mismatch(dumps: dict[int, dict]) -> Mismatch | None:
     """The first collective the ranks of `dumps` disagree on, or None if they agree on all they issued."""
     calls = {rank: calls_of(dump) for rank, dump in dumps.items()}
+    lost_calls = {rank for rank, dump in dumps.items() if dump["entries"] and dump["entries"][0]["record_id"] > 0}
     at = {(c.group, c.seq, rank): c for rank, rank_calls in calls.items() for c in rank_calls}
     members = {DEFAULT_GROUP: set(dumps)}
     for group, _, rank in at:
         members.setdefault(group, set()).add(rank)
     found = []
     for group, ranks in members.items():
-        for seq in sorted({s for g, s, _ in at if g == group}):
+        held = {rank: [c.seq for c in calls[rank] if c.group == group] for rank in ranks}
+        if any(not held[rank] for rank in ranks & lost_calls):
+            continue  # a member's calls of this group all fell out of its buffer: nothing here can be compared
+        first_covered = max([min(held[rank]) for rank in ranks & lost_calls], default=1)
+        for seq in sorted({s for g, s, _ in at if g == group and s >= first_covered}):
             here = {rank: at.get((group, seq, rank)) for rank in sorted(ranks)}
             present = [c for c in here.values() if c is not None]
             if len(present) < len(here) or len({(c.op, c.sizes) for c in present}) > 1:
-                found.append((min(c.created_ns for c in present), group, seq, here))
+                found.append((min(c.created_ns for c in present), group, seq, here, present))
                 break
     if not found:
         return None
-    _, group, seq, here = min(found, key=lambda item: item[0])
+    _, group, seq, here, present = min(found, key=lambda item: item[0])
     missing = tuple(rank for rank, c in here.items() if c is None)
-    present = [c for c in here.values() if c is not None]
     if missing:
         pending = [next((c for c in calls[rank] if not c.done), None) for rank in missing]
         elsewhere = any(p is not None and p.group != group and any((p.op, p.sizes) == (c.op, c.sizes) for c in present)
