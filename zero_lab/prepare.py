@@ -75,7 +75,7 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from zero_lab.optim import remove_hooks
-from zero_lab.stages import (MUON_LESSON, MUON_MODULE, MUON_OPTIONS, NODE_OPTIONS, NVME_LESSON, NVME_MODULE,
+from zero_lab.stages import (MUON_LESSON, MUON_OPTIONS, NODE_OPTIONS, NVME_LESSON, NVME_MODULE,
                              NVME_OPTIONS, OFFLOAD_LESSON, OFFLOAD_MODULE, OFFLOAD_OPTIONS, STAGES)
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16)
@@ -99,7 +99,7 @@ def prepare(model: torch.nn.Module, optimizer_class: type, stage: int = 0, *, pa
     on_nodes = _on_nodes(zero_options)
     if offload == "nvme" and on_nodes:
         raise TypeError('offload="nvme" and ranks_per_node= together are not built in this course: use one of them')
-    module_name, lesson, builds = ((MUON_MODULE, MUON_LESSON, row.muon) if muon
+    module_name, lesson, builds = ((row.muon.module, row.muon.lesson, row.muon.builds) if muon
                                    else (OFFLOAD_MODULE, OFFLOAD_LESSON, row.offload) if offload == "cpu"
                                    else (NVME_MODULE, NVME_LESSON, row.nvme) if offload == "nvme"
                                    else (row.nodes.module, row.nodes.lesson, row.nodes.builds) if on_nodes
