@@ -73,6 +73,12 @@ class AdamWBesideMuon(torch.optim.AdamW):
     matrices' slices and their momentum (state "momentum_buffer", as torch.optim.Muon's); MuonZero3.muon_step steps
     it, since it needs the other ranks' pieces. AdamW steps the other groups (the embeddings, norms and biases)."""
 
+    def __setstate__(self, state):
+        """load_state_dict: Adam's own fix-up expects a step count in every state; Muon's holds its momentum alone."""
+        muon = {p: state["state"].pop(p) for p in state["param_groups"][0]["params"] if p in state["state"]}
+        super().__setstate__(state)
+        self.state.update(muon)
+
     def step(self, closure=None):
         muon = self.param_groups.pop(0)
         try:
@@ -116,8 +122,6 @@ class MuonZero3(Zero3Optimizer):
                          max_live_numel=max_live_numel, reshard_last=reshard_last)
         self.plans, self.slices, self.grads = self._plan()
         self.rounds = exchange_rounds(self.plans, self.world_size)
-        for piece in self.slices:
-            self.state[piece.master]["momentum_buffer"] = torch.zeros_like(piece.master)
 
     def _plan(self):
         """The plan of the matrices at this world size; this rank's ShardSlice of each and its gradient's view."""
@@ -138,8 +142,9 @@ class MuonZero3(Zero3Optimizer):
         return plans, slices, grads
 
     def momentum(self, i: int) -> torch.Tensor:
-        """The momentum of this rank's piece of matrix i."""
-        return self.state[self.slices[i].master]["momentum_buffer"]
+        """The momentum of this rank's piece of matrix i (zeros before its first step, as torch.optim.Muon's)."""
+        master = self.slices[i].master
+        return self.state[master].setdefault("momentum_buffer", torch.zeros_like(master))
 
     @torch.no_grad()
     def muon_step(self) -> None:
@@ -172,6 +177,20 @@ class MuonZero3(Zero3Optimizer):
             raise ValueError("stage 3 does not take a closure: compute the loss and call backward() before step()")
         self.muon_step()
         return super().step()
+
+    def consolidated_state_dict(self, dst: int = 0) -> dict | None:
+        """Lesson 05's, Muon's momentum included: lesson 05 takes a parameter as stepped when its state holds a 0-dim
+        value (AdamW's step count); torch.optim.Muon's state is its momentum alone, so a marker stands in meanwhile."""
+        for piece in self.slices:
+            self.state[piece.master]["stepped"] = torch.zeros(())
+        try:
+            full = super().consolidated_state_dict(dst)
+        finally:
+            for piece in self.slices:
+                del self.state[piece.master]["stepped"]
+        for state in (full or {}).get("optimizer", {}).get("state", {}).values():
+            state.pop("stepped", None)
+        return full
 
     def load_state_dict(self, state) -> None:
         """This rank's state_dict() at the same world size, or a consolidated_state_dict()'s "optimizer" at any."""
