@@ -428,6 +428,41 @@ MUTANTS = {  # name: (text of the reference, the mistake, the graded cell that m
         "                if max(lo, layout.shard(rank)[0]) < min(lo + n, layout.shard(rank)[1])) for rank in range(world_size)]",
         "                if layout.shard(rank)[0] <= lo < layout.shard(rank)[1]) for rank in range(world_size)]",
         "bytes_and_flops"),
+    # exercise 8
+    "owners that balance elements, not Newton-Schulz work": (
+        "    owners = assign_owners([ns_work(shape) for _, _, shape in spans], world_size)",
+        "    owners = assign_owners([math.prod(shape) for _, _, shape in spans], world_size)", "plan_matrices"),
+    "sizes as if every matrix began its unit": (
+        "        layout, end = ShardLayout(unit_numel, world_size), offset + math.prod(shape)",
+        "        layout, end, offset = ShardLayout(unit_numel, world_size), math.prod(shape), 0", "plan_matrices"),
+    "the matrix cut into its own N shards, not its unit's": (
+        "        layout, end = ShardLayout(unit_numel, world_size), offset + math.prod(shape)",
+        "        layout, end, offset = ShardLayout(math.prod(shape), world_size), math.prod(shape), 0", "plan_matrices"),
+    "a round per matrix": (
+        "    return [[mine[k] if k < len(mine) else None for mine in owned] for k in range(max(map(len, owned)))]",
+        "    return [[i if plan.owner == rank else None for rank in range(world_size)] for i, plan in enumerate(plans)]",
+        "plan_matrices"),
+    # exercise 9
+    "the gradient orthogonalised, not the momentum's direction": (
+        '            directions = [momentum_direction_(self.grads[i], self.momentum(i), g["momentum"], g["nesterov"])\n',
+        "            directions = [self.grads[i]\n", "zero3_matches_muon"),
+    "the updates never sent back": (
+        "            dist.all_to_all_single(updates, ortho, out_sizes, in_sizes)", "            updates.zero_()",
+        "zero3_matches_muon"),
+    "the lr adjusted for the piece's shape": (
+        'apply_update_(self.slices[i].master, update, self.plans[i].shape, g["lr"]',
+        'apply_update_(self.slices[i].master, update, (update.numel(), 1), g["lr"]', "zero3_matches_muon"),
+    # exercise 10
+    "the updates counted in fp32": (
+        "            back = math.prod(plans[round_[rank]].shape) * 2 if", "            back = math.prod(plans[round_[rank]].shape) * 4 if",
+        "exchange_bytes"),
+    "an all-to-all charged its whole input": (
+        "            sent[rank] += Fraction(world_size - 1, world_size) * (out + back)", "            sent[rank] += out + back",
+        "exchange_bytes"),
+    "a rank's pieces of its own matrices counted as leaving": (
+        "            if rank != plan.owner:\n                sent[rank] += size * 4", "            if True:\n                sent[rank] += size * 4",
+        "exchange_bytes"),
+    "the updates sent back not counted as leaving": ("                sent[plan.owner] += size * 2\n", "", "exchange_bytes"),
 }
 
 
@@ -455,6 +490,10 @@ def _failure(test_id, old, new):
      "takes the matrices largest first; when matrix 1 (30 elements) comes, the loads are [0, 0], so it goes to rank 0"),
     (LPT, ROUND_ROBIN, "bytes_and_flops", "exercise 5 is the cause"),
     (LPT, ROUND_ROBIN, "own_matches_muon", "exercise 5 first"),
+    (*MUTANTS["owners that balance elements, not Newton-Schulz work"][:2], "plan_matrices",
+     "owners [1, 0, 1], expected [0, 1, 1] (Newton–Schulz work [216, 40, 125], largest first to the least loaded rank); "
+     "yours balance the elements, not the work"),
+    (*MUTANTS["the updates counted in fp32"][:2], "exchange_bytes", "exchange_bytes gives [178.0, 226.0], expected [142.0, 161.0]"),
     (GATHER_NS, "            ortho = newton_schulz(whole[offset:offset + p.numel()].view_as(p))\n", "gather_matches_muon",
      "equals torch.optim.Muon with the default Newton–Schulz settings, so the group's ns_coefficients, ns_steps and "
      "eps are ignored"),

@@ -48,7 +48,10 @@ Options besides the optimizer's own (lr, betas, weight_decay, ...):
                     stage 1 with torch.optim.Muon (lesson 12, zero_lab.muon): "gather" (momentum in flat shards,
                     each matrix's direction all-gathered) or "own" (whole matrices owned by ranks); Muon for the
                     2-D hidden weights, AdamW with the options in adamw= for embeddings, norms and biases; fp32.
-                    Other optimizers that need whole matrices (Adafactor), and Muon at stages 2-3, are refused
+                    Stage 3 with torch.optim.Muon (lesson 12, part 2, zero_lab.muon_zero3) takes adamw= and
+                    units=, prefetch=, max_live_numel=, reshard_last=: each matrix orthogonalised by an owner, its
+                    pieces sent there and back by all-to-all. Other optimizers that need whole matrices (Adafactor),
+                    and Muon at stage 2, are refused
 Defaults keep the model's dtype. Anything else is refused with an error that names the fix.
 Call it on every rank, inside zero_lab.launch or after zero_lab.init_distributed().
 
