@@ -449,10 +449,16 @@ MUTANTS = {  # name: (text of the reference, the mistake, the graded cell that m
     "the updates never sent back": (
         "            dist.all_to_all_single(updates, ortho, out_sizes, in_sizes)", "            updates.zero_()",
         "zero3_matches_muon"),
-    "the lr adjusted for the piece's shape": (
-        'apply_update_(self.slices[i].master, update, self.plans[i].shape, g["lr"]',
-        'apply_update_(self.slices[i].master, update, (update.numel(), 1), g["lr"]', "zero3_matches_muon"),
+    "the offset of a matrix in its unit counted in parameters, not elements": (
+        "            spans.append((unit.layout.numel, sum(s.numel() for s in unit.shapes[:index]), tuple(unit.shapes[index])))",
+        "            spans.append((unit.layout.numel, index, tuple(unit.shapes[index])))", "zero3_matches_muon"),
     # exercise 10
+    "Newton-Schulz loads counted in elements": (
+        "        loads[plan.owner] += ns_work(plan.shape)", "        loads[plan.owner] += math.prod(plan.shape)",
+        "exchange_bytes"),
+    "in flight without the matrix coming in": (
+        "            peak[rank] = max(peak[rank], pieces + (math.prod(plans[mine].shape) if mine is not None else 0))",
+        "            peak[rank] = max(peak[rank], pieces)", "exchange_bytes"),
     "the updates counted in fp32": (
         "            back = math.prod(plans[round_[rank]].shape) * 2 if", "            back = math.prod(plans[round_[rank]].shape) * 4 if",
         "exchange_bytes"),

@@ -6,7 +6,9 @@ ns_work              Newton–Schulz work of one matrix, m·n·min(m, n) (per it
 MatrixPlan, plan_matrices, exchange_rounds
                      the plan: each matrix's owner (balancing ns_work) and how many of its elements each
                      rank's shard of its unit holds; the rounds of the exchange (one matrix per owner per round)
-exchange_bytes, bytes_leaving   what one step of the exchange sends per rank (the ledger's convention; the true count)
+exchange_bytes, bytes_leaving, ns_loads, in_flight
+                     what one step of the exchange sends per rank (the ledger's convention; what leaves it), the
+                     Newton–Schulz work each rank does, the most elements a round moves for a rank
 MuonZero3            the optimizer zero_lab.prepare(model, torch.optim.Muon, stage=3, adamw={...}) builds: lesson 05's
                      Zero3Optimizer with AdamW for the rest, and per round one all-to-all of the momentum directions
                      to the owners and one of the bf16 updates back to the shards
@@ -123,16 +125,22 @@ class MuonZero3(Zero3Optimizer):
         self.plans, self.slices, self.grads = self._plan()
         self.rounds = exchange_rounds(self.plans, self.world_size)
 
-    def _plan(self):
-        """The plan of the matrices at this world size; this rank's ShardSlice of each and its gradient's view."""
+    def locate(self):
+        """For each of Muon's matrices (self.group_params[0]), in order: its span in its unit, (unit numel, offset,
+        shape) for plan_matrices; this rank's ShardSlice of it; the view of its unit's gradient shard on that slice."""
         spans, slices, grads = [], [], []
         for p in self.group_params[0]:
             unit = self.schedule.unit_of[p]
-            index = next(k for k, q in enumerate(unit.params) if q is p)
+            index = next(k for k, q in enumerate(unit.params) if q is p)  # `is`: == on tensors compares values
             spans.append((unit.layout.numel, sum(s.numel() for s in unit.shapes[:index]), tuple(unit.shapes[index])))
             piece = next(s for s in unit.slices if s.param is p)
             slices.append(piece)
             grads.append(unit.grad_shard[piece.shard_offset:piece.shard_offset + piece.master.numel()])
+        return spans, slices, grads
+
+    def _plan(self):
+        """The plan of the matrices at this world size (checked against this rank's slices), the slices, the views."""
+        spans, slices, grads = self.locate()
         plans = plan_matrices(spans, self.world_size)
         for i, (plan, piece, (_, offset, shape)) in enumerate(zip(plans, slices, spans)):
             if plan.sizes[self.rank] != piece.master.numel() or sum(plan.sizes) != math.prod(shape):
@@ -224,3 +232,22 @@ def bytes_leaving(plans: list[MatrixPlan], world_size: int) -> list[int]:
                 sent[rank] += size * 4
                 sent[plan.owner] += size * 2
     return sent
+
+
+def ns_loads(plans: list[MatrixPlan], world_size: int) -> list[int]:
+    """Newton–Schulz work (ns_work) each rank does in one step: that of the matrices it owns."""
+    loads = [0] * world_size
+    for plan in plans:
+        loads[plan.owner] += ns_work(plan.shape)
+    return loads
+
+
+def in_flight(plans: list[MatrixPlan], world_size: int) -> list[int]:
+    """Per rank, the most elements one round's first all-to-all moves for it: its pieces of the round's matrices
+    out, plus the whole matrix it owns in that round coming in."""
+    peak = [0] * world_size
+    for round_ in exchange_rounds(plans, world_size):
+        for rank, mine in enumerate(round_):
+            pieces = sum(plans[i].sizes[rank] for i in round_ if i is not None)
+            peak[rank] = max(peak[rank], pieces + (math.prod(plans[mine].shape) if mine is not None else 0))
+    return peak
