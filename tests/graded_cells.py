@@ -67,7 +67,7 @@ def graded_cell_with(lesson: str, test_id: str, old: str, new: str) -> tuple[dic
     cells = [c.source for c in nbformat.read(REPO / "solutions" / lesson / f"{lesson}.ipynb", as_version=4).cells
              if c.cell_type == "code" and not where.is_where_cell(c)]
     assert sum(s.count(old) for s in cells if s.startswith("#| export")) == 1, "the mutant must replace one solution"
-    namespace = {}
+    namespace = {"__name__": "__main__"}  # as in the kernel: `if __name__ != "__main__":` imports keep the cells' names
     exec(cells[0], namespace)  # the notebook's imports
     for source in cells:
         if source.startswith("#| export"):

@@ -1,7 +1,9 @@
-"""Lesson 12, Muon under ZeRO-1: both ways equal single-process torch.optim.Muon (+ AdamW), send and hold what
-the lesson says, are reachable through prepare, and the typical wrong answers lose their points."""
+"""Lesson 12, Muon under ZeRO-1 (part 1) and ZeRO-3 (part 2): every way equals single-process torch.optim.Muon
+(+ AdamW), sends and holds what the lesson says, is reachable through prepare, and the typical wrong answers lose
+their points."""
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from zero_lab.memory_ledger import model_state_bytes
 from zero_lab.models import GPT, GPTConfig
 from zero_lab.muon import (MuonZero1, OwnerLayout, assign_owners, muon_bytes_per_step, newton_schulz, ns_flops_per_rank,
                            split_params)
+from zero_lab.muon_zero3 import MuonZero3, exchange_bytes, exchange_rounds, plan_matrices
 from zero_lab.prepare import prepare
 from zero_lab.zero1 import ShardLayout
 
@@ -54,24 +57,26 @@ def _prepared(way, **options):
 
 
 def _one_process(shards):
-    """torch.optim.Muon + AdamW, one thread (as each rank), the global batch's gradient as the mean of `shards` shards'."""
+    """torch.optim.Muon + AdamW, one thread (as each rank), the global batch's gradient as the mean of `shards` shards'
+    (a list: the number of shards of each step)."""
+    shards = shards if isinstance(shards, list) else [shards] * STEPS
     model = _on_a_grid(GPT(TINY, seed=0))
     matrices, others = split_params(model)
     optimizers = [torch.optim.Muon(matrices, **MUON), torch.optim.AdamW(others, **ADAMW)]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for batch in _batches():
+        for batch, world_size in zip(_batches(), shards):
             grads = []
-            for rank in range(shards):
-                model(*shard_batch(batch, rank, shards))[1].backward()
+            for rank in range(world_size):
+                model(*shard_batch(batch, rank, world_size))[1].backward()
                 grads.append([p.grad for p in model.parameters()])
                 model.zero_grad(set_to_none=True)
             for i, p in enumerate(model.parameters()):
                 total = grads[0][i]
                 for more in grads[1:]:
                     total = total + more[i]
-                p.grad = total / shards
+                p.grad = total / world_size
             for optimizer in optimizers:
                 optimizer.step()
                 optimizer.zero_grad()
@@ -159,7 +164,8 @@ def test_refusals_name_what_is_supported():
         model = GPT(TINY)
         messages = {}
         for what, (optimizer_class, stage, options) in {
-                "muon at stage 2": (torch.optim.Muon, 2, {}), "muon at stage 3": (torch.optim.Muon, 3, {}),
+                "muon at stage 2": (torch.optim.Muon, 2, {}), "muon_sharding at stage 3": (torch.optim.Muon, 3, {"muon_sharding": "own"}),
+                "bf16 at stage 3": (torch.optim.Muon, 3, {"param_dtype": torch.bfloat16}),
                 "adafactor": (torch.optim.Adafactor, 1, {}), "sharding with adamw": (torch.optim.AdamW, 1, {"muon_sharding": "own"}),
                 "typo": (torch.optim.Muon, 1, {"muon_sharding": "owner"}), "bf16": (torch.optim.Muon, 1, {"param_dtype": torch.bfloat16}),
                 "offload": (torch.optim.Muon, 1, {"offload": "cpu"})}.items():
@@ -171,7 +177,9 @@ def test_refusals_name_what_is_supported():
         return messages
 
     messages = launch(attempts, 1, timeout=60)[0]
-    assert 'muon_sharding="gather" or "own"' in messages["muon at stage 2"] and "stage 1" in messages["muon at stage 3"]
+    assert 'muon_sharding="gather" or "own"' in messages["muon at stage 2"] and "stage 1 and 3" in messages["muon at stage 2"]
+    assert "'muon_sharding' works with stages [1]" in messages["muon_sharding at stage 3"]
+    assert "not built for Muon at stage 3" in messages["bf16 at stage 3"]
     assert "whole" not in messages["adafactor"] or "Muon is built for stage 1" in messages["adafactor"]
     assert "row and column" in messages["adafactor"]
     assert "apply to torch.optim.Muon only" in messages["sharding with adamw"]
@@ -196,11 +204,136 @@ def test_zero_lab_ask_finds_the_lessons_questions():
     bank = questions.read_bank()
     assert questions.rank(bank, "why can't ZeRO shard Muon".split())[0].id == "12-muon-elementwise"
     assert questions.rank(bank, "what does whole-matrix ownership cost".split())[0].id == "12-muon-ownership-cost"
+    assert questions.rank(bank, "why is Muon hard to shard".split())[0].id == "12-muon-hard-to-shard"
 
 
 def test_newton_schulz_of_a_slice_is_not_the_slice_of_newton_schulz():
     g = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
     assert (newton_schulz(g)[:4].float() - newton_schulz(g[:4]).float()).abs().max() > 0.05
+
+
+# ---- part 2: Muon at ZeRO stage 3 (zero_lab.muon_zero3)
+
+def _spans(model, optimizer, matrices):
+    """(unit numel, offset in the unit, shape) of each matrix, from lesson 05's units."""
+    spans = []
+    for p in matrices:
+        unit = optimizer.schedule.unit_of[p]
+        index = next(k for k, q in enumerate(unit.params) if q is p)
+        spans.append((unit.layout.numel, sum(s.numel() for s in unit.shapes[:index]), tuple(unit.shapes[index])))
+    return spans
+
+
+def _stage3_run(batches=slice(None), state=None, **options):
+    """Train TINY (gradients on the grid) at stage 3 with Muon through prepare on `batches` of _batches(), after loading
+    a consolidated `state`: the weights, the spans, the last optimizer.step()'s traffic, the model state this rank
+    holds, the consolidated state dict (rank 0)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = _on_a_grid(GPT(TINY, seed=0))
+    matrices = split_params(model)[0]
+    model, optimizer = prepare(model, torch.optim.Muon, stage=3, adamw=ADAMW, **MUON, **options)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    for batch in _batches()[batches]:
+        model(*shard_batch(batch, rank, world_size))[1].backward()
+        with zero_lab.CommLedger() as ledger:
+            optimizer.step()
+        optimizer.zero_grad()
+    held = sum(model_state_bytes(model, optimizer).bytes.values())
+    consolidated = optimizer.consolidated_state_dict()
+    return _weights_stage3(model), _spans(model, optimizer, matrices), ledger.summary(), held, consolidated
+
+
+def _weights_stage3(model):
+    names = {name for name, _ in model.named_parameters()}
+    return {name: value.clone() for name, value in model.state_dict().items() if name in names}
+
+
+def _one_process_state_bytes():
+    """Model-state bytes of one process: fp32 weights and gradients, AdamW's two moments, Muon's momentum."""
+    matrices, others = split_params(GPT(TINY))
+    return 4 * 2 * sum(p.numel() for p in matrices + others) + 8 * sum(p.numel() for p in others) + \
+        4 * sum(p.numel() for p in matrices)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_stage3_muon_through_prepare_trains_like_one_process_with_the_lessons_bytes_and_memory(world_size):
+    # The bound is 0: gradients on the grid make every sum exact, every other operation is torch's on the same bits.
+    expected = _one_process(world_size)
+    results = launch(_stage3_run, world_size, timeout=60)
+    largest = 4 * max(p.numel() for p in split_params(GPT(TINY))[0])
+    plans = plan_matrices(results[0][1], world_size)
+    for rank, (got, spans, traffic, held, _) in enumerate(results):
+        for name, value in expected.items():
+            torch.testing.assert_close(got[name], value, atol=0, rtol=0, msg=lambda m: f"rank {rank}, {name}: {m}")
+        assert set(traffic) == {"all_to_all"} and traffic["all_to_all"]["calls"] == 2 * len(exchange_rounds(plans, world_size))
+        assert Fraction(traffic["all_to_all"]["sent_bytes"]) == exchange_bytes(plans, world_size)[rank]
+        assert abs(held - _one_process_state_bytes() / world_size) <= largest, (held, _one_process_state_bytes(), largest)
+
+
+def test_a_consolidated_checkpoint_resumes_at_another_world_size_and_the_list_of_shards_is_refused():
+    first = launch(_stage3_run, 2, slice(0, 3), timeout=60)[0][4]
+    weights = launch(_stage3_run, 3, slice(3, None), first, timeout=60)[0][0]
+    expected = _one_process([2, 2, 2, 3, 3, 3])
+    for name, value in expected.items():
+        torch.testing.assert_close(weights[name], value, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+    assert all(set(state) == {"momentum_buffer"} for state in first["optimizer"]["state"].values()
+               if "exp_avg" not in state)  # torch.optim.Muon's name for its state
+
+    def refused():
+        model, optimizer = prepare(GPT(TINY, seed=0), torch.optim.Muon, stage=3, adamw=ADAMW, **MUON)
+        with pytest.raises(ValueError, match="consolidated_state_dict"):
+            optimizer.load_state_dict([optimizer.state_dict()])
+        torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5).step()
+        return [g["lr"] for g in optimizer.param_groups]
+
+    lrs = launch(refused, 1, timeout=60)[0]
+    assert lrs == [pytest.approx(MUON["lr"] / 2), pytest.approx(ADAMW["lr"] / 2)]  # a scheduler reaches both groups
+
+
+class _NewtonSchulzOnAShard(MuonZero3):
+    """The silent bug: every rank orthogonalises its own flat piece (as a 1 x n matrix) and never exchanges."""
+
+    @torch.no_grad()
+    def muon_step(self):
+        g = self.param_groups[0]
+        for i, plan in enumerate(self.plans):
+            direction = zero_lab.muon.momentum_direction_(self.grads[i], self.momentum(i), g["momentum"], g["nesterov"])
+            if direction.numel():
+                ortho = newton_schulz(direction.view(1, -1), g["ns_coefficients"], g["ns_steps"], g["eps"]).view(-1)
+                zero_lab.muon.apply_update_(self.slices[i].master, ortho, plan.shape, g["lr"], g["weight_decay"],
+                                            g["adjust_lr_fn"])
+
+
+def _canary_runs():
+    from zero_lab import canary
+
+    def on_a_shard(model):
+        optimizer = _NewtonSchulzOnAShard(model, torch.optim.Muon, adamw=canary.ADAMW, **canary.MUON)
+        return model, lambda micro_batches: canary.accumulate_and_step(model, [optimizer], micro_batches)
+
+    setups = [canary.Setup("stage 3, Muon", canary.prepared(3, torch.optim.Muon, adamw=canary.ADAMW, **canary.MUON),
+                           canary.muon_and_adamw, canary.MUON_TOLERANCE),
+              canary.Setup("stage 3, Newton-Schulz on a shard", on_a_shard, canary.muon_and_adamw, canary.MUON_TOLERANCE)]
+    return [[(r["loss"], r["update_error"], r["flagged"]) for r in canary.run_with_canary(setup, 16)] for setup in setups]
+
+
+def test_lesson_15s_canary_flags_newton_schulz_on_a_shard_whose_loss_still_falls():
+    correct, on_a_shard = launch(_canary_runs, 2, timeout=90)[0]
+    assert not any(flagged for _, _, flagged in correct), correct
+    assert all(flagged for _, _, flagged in on_a_shard), on_a_shard
+    for run in (correct, on_a_shard):  # each batch is another draw: the loss falls on average over 8 steps
+        losses = [loss for loss, _, _ in run]
+        assert sum(losses[8:]) < sum(losses[:8]), losses
+
+
+def test_ns_work_balances_newton_schulz_not_elements():
+    spans = [(50, 5, (6, 6)), (40, 0, (1, 40)), (25, 0, (5, 5))]
+    plans = plan_matrices(spans, 2)
+    assert [p.owner for p in plans] == [0, 1, 1] != assign_owners([36, 40, 25], 2)
+    assert [p.sizes for p in plans] == [(20, 16), (20, 20), (13, 12)]
+    assert exchange_rounds(plans, 2) == [[0, 1], [None, 2]]
 
 
 SOLUTION_STEP = "        grad = reduce_scatter_mean(self.flat_grad)  # my shard of the mean gradient\n"
@@ -295,6 +428,47 @@ MUTANTS = {  # name: (text of the reference, the mistake, the graded cell that m
         "                if max(lo, layout.shard(rank)[0]) < min(lo + n, layout.shard(rank)[1])) for rank in range(world_size)]",
         "                if layout.shard(rank)[0] <= lo < layout.shard(rank)[1]) for rank in range(world_size)]",
         "bytes_and_flops"),
+    # exercise 8
+    "owners that balance elements, not Newton-Schulz work": (
+        "    owners = assign_owners([ns_work(shape) for _, _, shape in spans], world_size)",
+        "    owners = assign_owners([math.prod(shape) for _, _, shape in spans], world_size)", "plan_matrices"),
+    "sizes as if every matrix began its unit": (
+        "        layout, end = ShardLayout(unit_numel, world_size), offset + math.prod(shape)",
+        "        layout, end, offset = ShardLayout(unit_numel, world_size), math.prod(shape), 0", "plan_matrices"),
+    "the matrix cut into its own N shards, not its unit's": (
+        "        layout, end = ShardLayout(unit_numel, world_size), offset + math.prod(shape)",
+        "        layout, end, offset = ShardLayout(math.prod(shape), world_size), math.prod(shape), 0", "plan_matrices"),
+    "a round per matrix": (
+        "    return [[mine[k] if k < len(mine) else None for mine in owned] for k in range(max(map(len, owned)))]",
+        "    return [[i if plan.owner == rank else None for rank in range(world_size)] for i, plan in enumerate(plans)]",
+        "plan_matrices"),
+    # exercise 9
+    "the gradient orthogonalised, not the momentum's direction": (
+        '            directions = [momentum_direction_(self.grads[i], self.momentum(i), g["momentum"], g["nesterov"])\n',
+        "            directions = [self.grads[i]\n", "zero3_matches_muon"),
+    "the updates never sent back": (
+        "            dist.all_to_all_single(updates, ortho, out_sizes, in_sizes)", "            updates.zero_()",
+        "zero3_matches_muon"),
+    "the offset of a matrix in its unit counted in parameters, not elements": (
+        "            spans.append((unit.layout.numel, sum(s.numel() for s in unit.shapes[:index]), tuple(unit.shapes[index])))",
+        "            spans.append((unit.layout.numel, index, tuple(unit.shapes[index])))", "zero3_matches_muon"),
+    # exercise 10
+    "Newton-Schulz loads counted in elements": (
+        "        loads[plan.owner] += ns_work(plan.shape)", "        loads[plan.owner] += math.prod(plan.shape)",
+        "exchange_bytes"),
+    "in flight without the matrix coming in": (
+        "            peak[rank] = max(peak[rank], pieces + (math.prod(plans[mine].shape) if mine is not None else 0))",
+        "            peak[rank] = max(peak[rank], pieces)", "exchange_bytes"),
+    "the updates counted in fp32": (
+        "            back = math.prod(plans[round_[rank]].shape) * 2 if", "            back = math.prod(plans[round_[rank]].shape) * 4 if",
+        "exchange_bytes"),
+    "an all-to-all charged its whole input": (
+        "            sent[rank] += Fraction(world_size - 1, world_size) * (out + back)", "            sent[rank] += out + back",
+        "exchange_bytes"),
+    "a rank's pieces of its own matrices counted as leaving": (
+        "            if rank != plan.owner:\n                sent[rank] += size * 4", "            if True:\n                sent[rank] += size * 4",
+        "exchange_bytes"),
+    "the updates sent back not counted as leaving": ("                sent[plan.owner] += size * 2\n", "", "exchange_bytes"),
 }
 
 
@@ -322,6 +496,10 @@ def _failure(test_id, old, new):
      "takes the matrices largest first; when matrix 1 (30 elements) comes, the loads are [0, 0], so it goes to rank 0"),
     (LPT, ROUND_ROBIN, "bytes_and_flops", "exercise 5 is the cause"),
     (LPT, ROUND_ROBIN, "own_matches_muon", "exercise 5 first"),
+    (*MUTANTS["owners that balance elements, not Newton-Schulz work"][:2], "plan_matrices",
+     "owners [1, 0, 1], expected [0, 1, 1] (Newton–Schulz work [216, 40, 125], largest first to the least loaded rank); "
+     "yours balance the elements, not the work"),
+    (*MUTANTS["the updates counted in fp32"][:2], "exchange_bytes", "exchange_bytes gives [178.0, 226.0], expected [142.0, 161.0]"),
     (GATHER_NS, "            ortho = newton_schulz(whole[offset:offset + p.numel()].view_as(p))\n", "gather_matches_muon",
      "equals torch.optim.Muon with the default Newton–Schulz settings, so the group's ns_coefficients, ns_steps and "
      "eps are ignored"),
@@ -336,4 +514,4 @@ def test_a_failed_test_reports_every_failed_check():
 
 
 def test_hidden_tests_are_worth_points(graded):
-    assert_reference_full_and_learner_zero(graded, LESSON, 20)
+    assert_reference_full_and_learner_zero(graded, LESSON, 30)

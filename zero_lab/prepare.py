@@ -48,7 +48,10 @@ Options besides the optimizer's own (lr, betas, weight_decay, ...):
                     stage 1 with torch.optim.Muon (lesson 12, zero_lab.muon): "gather" (momentum in flat shards,
                     each matrix's direction all-gathered) or "own" (whole matrices owned by ranks); Muon for the
                     2-D hidden weights, AdamW with the options in adamw= for embeddings, norms and biases; fp32.
-                    Other optimizers that need whole matrices (Adafactor), and Muon at stages 2-3, are refused
+                    Stage 3 with torch.optim.Muon (lesson 12, part 2, zero_lab.muon_zero3) takes adamw= and
+                    units=, prefetch=, max_live_numel=, reshard_last=: each matrix orthogonalised by an owner, its
+                    pieces sent there and back by all-to-all. Other optimizers that need whole matrices (Adafactor),
+                    and Muon at stage 2, are refused
 Defaults keep the model's dtype. Anything else is refused with an error that names the fix.
 Call it on every rank, inside zero_lab.launch or after zero_lab.init_distributed().
 
@@ -75,7 +78,7 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from zero_lab.optim import remove_hooks
-from zero_lab.stages import (MUON_LESSON, MUON_MODULE, MUON_OPTIONS, NODE_OPTIONS, NVME_LESSON, NVME_MODULE,
+from zero_lab.stages import (MUON_LESSON, MUON_OPTIONS, NODE_OPTIONS, NVME_LESSON, NVME_MODULE,
                              NVME_OPTIONS, OFFLOAD_LESSON, OFFLOAD_MODULE, OFFLOAD_OPTIONS, STAGES)
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16)
@@ -99,7 +102,7 @@ def prepare(model: torch.nn.Module, optimizer_class: type, stage: int = 0, *, pa
     on_nodes = _on_nodes(zero_options)
     if offload == "nvme" and on_nodes:
         raise TypeError('offload="nvme" and ranks_per_node= together are not built in this course: use one of them')
-    module_name, lesson, builds = ((MUON_MODULE, MUON_LESSON, row.muon) if muon
+    module_name, lesson, builds = ((row.muon.module, row.muon.lesson, row.muon.builds) if muon
                                    else (OFFLOAD_MODULE, OFFLOAD_LESSON, row.offload) if offload == "cpu"
                                    else (NVME_MODULE, NVME_LESSON, row.nvme) if offload == "nvme"
                                    else (row.nodes.module, row.nodes.lesson, row.nodes.builds) if on_nodes

@@ -22,6 +22,8 @@ NODE_OPTIONS = frozenset({"ranks_per_node", "qwz", "hpz", "qgz", "replicate_acro
 # Stage 1 with torch.optim.Muon (lesson 12): the update needs whole matrices; muon_sharding= picks how.
 MUON_LESSON, MUON_MODULE = "12_muon", "zero_lab.muon"
 MUON_OPTIONS = frozenset({"muon_sharding", "adamw"})
+# Stage 3 with torch.optim.Muon (lesson 12, part 2): owners orthogonalise whole matrices; adamw= as at stage 1.
+MUON_ZERO3_MODULE, MUON_ZERO3_OPTIONS = "zero_lab.muon_zero3", frozenset({"adamw"})
 # Stages 1-3 over a process group, not all ranks (lesson 17): the data-parallel group of a mesh.
 GROUP_OPTIONS = frozenset({"group"})
 
@@ -46,7 +48,7 @@ class Stage:
     wraps_model: bool = False  # prepare returns builds(model) and the user's optimizer (DDP)
     nodes: Variant | None = None  # with ranks_per_node=: this class instead (ZeRO++ and HSDP)
     nvme: str | None = None  # with offload="nvme": this class of NVME_MODULE instead (ZeRO-Infinity)
-    muon: str | None = None  # with torch.optim.Muon: this class of MUON_MODULE instead (whole-matrix updates)
+    muon: Variant | None = None  # with torch.optim.Muon: this class instead (whole-matrix updates, lesson 12)
 
     @property
     def shards_parameters(self) -> bool:
@@ -58,7 +60,7 @@ STAGES = {
     1: Stage("P_os", ("master_params", "optimizer_states"), "03_zero1", "zero_lab.zero1", "Zero1Optimizer",
              frozenset({"param_dtype", "max_grad_norm", "find_unused_parameters", *GROUP_OPTIONS, *OFFLOAD_OPTIONS,
                         *MUON_OPTIONS}),
-             offload="Zero1Offload", muon="MuonZero1"),
+             offload="Zero1Offload", muon=Variant(MUON_LESSON, MUON_MODULE, "MuonZero1")),
     2: Stage("P_os+g", ("master_params", "optimizer_states", "gradients"), "04_zero2", "zero_lab.zero2",
              "Zero2Optimizer", frozenset({"param_dtype", "max_grad_norm", "bucket_numel", "find_unused_parameters",
                                           *GROUP_OPTIONS, *OFFLOAD_OPTIONS}),
@@ -66,8 +68,9 @@ STAGES = {
     3: Stage("P_os+g+p", ("master_params", "optimizer_states", "gradients", "parameters"), "05_zero3",
              "zero_lab.zero3", "Zero3Optimizer",
              frozenset({"param_dtype", "max_grad_norm", "units", "prefetch", "max_live_numel", "reshard_last", "init_fn",
-                        *GROUP_OPTIONS, *NODE_OPTIONS, *NVME_OPTIONS}),
-             nodes=Variant("09_zeropp", "zero_lab.zeropp", "ZeroPPOptimizer"), nvme="Zero3Infinity"),
+                        *GROUP_OPTIONS, *NODE_OPTIONS, *NVME_OPTIONS, *MUON_ZERO3_OPTIONS}),
+             nodes=Variant("09_zeropp", "zero_lab.zeropp", "ZeroPPOptimizer"), nvme="Zero3Infinity",
+             muon=Variant(MUON_LESSON, MUON_ZERO3_MODULE, "MuonZero3")),
 }
 
 
@@ -86,9 +89,10 @@ def prepare_arguments(lesson: str) -> list[str]:
             found.append(entry(f'stage={number}, offload="cpu"', stage.options - {"offload"} - NVME_OPTIONS - MUON_OPTIONS
                                - GROUP_OPTIONS))
         if stage.nvme and lesson == NVME_LESSON:
-            found.append(entry(f'stage={number}, offload="nvme"', stage.options - {"offload"} - NODE_OPTIONS - GROUP_OPTIONS))
-        if stage.muon and lesson == MUON_LESSON:
-            found.append(entry(f"stage={number} with torch.optim.Muon", MUON_OPTIONS))
+            found.append(entry(f'stage={number}, offload="nvme"', stage.options - {"offload"} - NODE_OPTIONS - GROUP_OPTIONS
+                               - MUON_OPTIONS))
+        if stage.muon and lesson == stage.muon.lesson:
+            found.append(entry(f"stage={number} with torch.optim.Muon", MUON_OPTIONS & stage.options))
     return found
 
 
@@ -107,7 +111,7 @@ def markdown() -> str:
         if stage.nvme:
             builds += f"; offload=\"nvme\": `{NVME_MODULE}.{stage.nvme}` ({NVME_LESSON})"
         if stage.muon:
-            builds += f"; torch.optim.Muon: `{MUON_MODULE}.{stage.muon}` ({MUON_LESSON})"
+            builds += f"; torch.optim.Muon: `{stage.muon.module}.{stage.muon.builds}` ({stage.muon.lesson})"
         options = ", ".join(f"`{option}`" for option in sorted(stage.options))
         rows.append(f"| {number} | {stage.name} | {', '.join(stage.partitions) or 'nothing (replicated)'} "
                     f"| {stage.lesson} | {builds} | {options} |")
