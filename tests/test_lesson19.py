@@ -124,6 +124,9 @@ def canary_runs(seed=0):
     """One SGD step at stage 1 over the expert-data-parallel groups, right and with the expert mean over the
     wrong group (ep times too large): this rank's parameters before and after, by one-process name."""
     ep_group, edp_group = make_expert_groups(2)
+    model = moe_gpt(CONFIG, 4, 2, 1.0, ep_group, seed)
+    with pytest.raises(ValueError, match="built for stages"):  # stage 3 takes no per-group process groups
+        zero_lab.prepare(model, torch.optim.SGD, 3, params=moe_param_groups(model, edp_group), lr=0.1)
     runs = {}
     for wrong in (False, True):
         model = moe_gpt(CONFIG, 4, 2, 1.0, ep_group, seed)
