@@ -23,6 +23,10 @@ Options besides the optimizer's own (lr, betas, weight_decay, ...):
     max_grad_norm=  stages 1-3: clip the global gradient norm in optimizer.step()
     find_unused_parameters=  stages 0-2, as torch's DDP: True lets a step leave parameters without gradient
                     (they are not updated, as with torch.optim); False (default) makes that an error
+    params=[{"params": ..., "process_group": pg}, ...]
+                    stages 1-2: each param group sharded over its own process group (absent: all ranks), its
+                    gradient summed there and divided by the world's size (lesson 19: experts over their
+                    expert-data-parallel group, zero_lab.moe_zero); not with group=
     group=          stages 1-3: shard over the ranks of this process group only (default all ranks): on a mesh, the
                     data-parallel group, each tensor-parallel slice sharded over its own (lesson 17, zero_lab.mesh);
                     not with max_grad_norm, find_unused_parameters, offload, Muon or ranks_per_node
@@ -78,8 +82,9 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from zero_lab.optim import remove_hooks
-from zero_lab.stages import (MUON_LESSON, MUON_OPTIONS, NODE_OPTIONS, NVME_LESSON, NVME_MODULE,
-                             NVME_OPTIONS, OFFLOAD_LESSON, OFFLOAD_MODULE, OFFLOAD_OPTIONS, STAGES)
+from zero_lab.stages import (MUON_LESSON, MUON_OPTIONS, NODE_OPTIONS, NVME_LESSON, NVME_MODULE, NVME_OPTIONS,
+                             OFFLOAD_LESSON, OFFLOAD_MODULE, OFFLOAD_OPTIONS, PROCESS_GROUP_KEY, PROCESS_GROUPS_LESSON,
+                             PROCESS_GROUPS_MODULE, PROCESS_GROUPS_STAGES, STAGES)
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16)
 # model -> weakref to what prepare made of it last (holds its gradient hooks). Weak both ways: a strong
@@ -125,6 +130,8 @@ def prepare(model: torch.nn.Module, optimizer_class: type, stage: int = 0, *, pa
     if not on_meta:
         model.to(device)
     built = getattr(module, builds)
+    if _names_process_groups(params):
+        built = _over_process_groups(built, stage, variant, zero_options)
     with torch.device(device) if on_meta else contextlib.nullcontext():  # where stage 3 makes a meta model's shards
         wrapped, optimizer = _build(row, built, module, model, optimizer_class, params, param_dtype, options,
                                     zero_options)
@@ -145,6 +152,21 @@ def _build(row, built, module, model, optimizer_class, params, param_dtype, opti
     # Its hooks hold it weakly (zero_lab.optim.weak_hook): if it is freed while the model lives on, they go too.
     weakref.finalize(made, remove_hooks, getattr(made, "hook_handles", []), getattr(made, "model_hooks", []))
     return wrapped, optimizer
+
+
+def _names_process_groups(params) -> bool:
+    params = params if isinstance(params, (list, tuple)) else []
+    return any(isinstance(g, dict) and PROCESS_GROUP_KEY in g for g in params)
+
+
+def _over_process_groups(built, stage: int, variant: str, zero_options: dict):
+    """Param groups with their own process groups (lesson 19): one optimizer of the stage per process group."""
+    if stage not in PROCESS_GROUPS_STAGES or variant or "group" in zero_options:
+        raise ValueError(f'param groups with a "{PROCESS_GROUP_KEY}" are built for stages {PROCESS_GROUPS_STAGES}, '
+                         f"without group=, offload, Muon or nodes (lesson {PROCESS_GROUPS_LESSON}), not stage "
+                         f"{stage}{variant}")
+    return _lesson_module(PROCESS_GROUPS_MODULE, PROCESS_GROUPS_LESSON, "param groups with process groups"
+                          ).over_process_groups(built)
 
 
 def _training_device(model, device, on_meta: bool) -> torch.device:

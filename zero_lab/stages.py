@@ -26,6 +26,10 @@ MUON_OPTIONS = frozenset({"muon_sharding", "adamw"})
 MUON_ZERO3_MODULE, MUON_ZERO3_OPTIONS = "zero_lab.muon_zero3", frozenset({"adamw"})
 # Stages 1-3 over a process group, not all ranks (lesson 17): the data-parallel group of a mesh.
 GROUP_OPTIONS = frozenset({"group"})
+# Stages 1-2 with param groups that name their own process group ("process_group" key; lesson 19's experts over
+# their expert-data-parallel group): one optimizer of the stage per process group, stepped together.
+PROCESS_GROUP_KEY, PROCESS_GROUPS_LESSON, PROCESS_GROUPS_MODULE = "process_group", "19_moe", "zero_lab.moe_zero"
+PROCESS_GROUPS_STAGES = (1, 2)
 
 
 @dataclass(frozen=True)
