@@ -303,6 +303,8 @@ class Zero3Infinity(Zero3Optimizer):
     whatever launched it; close(), or leaving `with optimizer:`, frees them at once.
     """
 
+    reshardable = False  # its states live on the tier: lesson 16's resharding reads and writes device shards
+
     def __init__(self, model, optimizer_class=torch.optim.AdamW, params=None, *, nvme_dir=None,
                  nvme_bandwidth: float | None = None, nvme_quota: int | None = None, nvme_chunk_numel: int = 2**16,
                  **options):

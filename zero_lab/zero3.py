@@ -646,7 +646,7 @@ class ShardedModelState:
         or file path, in rank order (lesson 16); or the "optimizer" part of a consolidated_state_dict() at any
         world size (then load its "model" part with model.load_state_dict)."""
         if isinstance(state, (list, tuple)):  # every saved rank's, saved at any world size (lesson 16)
-            from zero_lab.reshard import load_state_dicts  # imported here: it imports this module
+            from zero_lab.reshard import load_state_dicts  # lesson 16's: loaded only to reshard
             load_state_dicts(self, state)
             return
         if "stage" not in state and {"state", "param_groups"} <= set(state):
@@ -758,6 +758,7 @@ class Zero3Optimizer(ShardedModelState, OptimizerOverCopies):
     """
 
     stage = 3
+    reshardable = True  # lesson 16's load_state_dicts may re-cut its shards for another world size
     schedule_class = UnitSchedule  # a subclass may bring its own (lesson 09's ZeRO++)
     process_group = None  # group=: ZeRO over these ranks only (lesson 17's data-parallel axis)
     shard_group = None  # the ranks each unit is sharded over (None: all); a subclass that sets it (lesson
