@@ -238,3 +238,12 @@ def test_no_import_circle_among_zero_labs_modules():
     for module in sorted(imports):
         walk(module, [])
     assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+MAX_MODULE_LINES = 600  # the course's size rule for a module (docs/authoring.md): split by idea past it
+
+
+def test_no_module_over_600_lines():
+    too_long = [f"{path.relative_to(build.REPO)}: {lines} lines" for path in sorted((build.REPO / "zero_lab").rglob("*.py"))
+                if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES]
+    assert not too_long, "split these by idea:\n" + "\n".join(too_long)

@@ -159,6 +159,7 @@ class ShardedCheckpoint:
     """Saving and loading for the ZeRO optimizers (needs .model, .groups, .optimizer, .rank, .world_size)."""
 
     process_group = None  # the ranks the shards are spread over (None: all); stage 1's group= (lesson 17)
+    reshardable = True  # lesson 16's load_state_dicts may re-cut its shards for another world size
 
     def state_dict(self) -> dict:
         """This rank's shard of the training state: save one file per rank."""
@@ -296,7 +297,6 @@ class Zero1Optimizer(ShardedCheckpoint, OptimizerOverCopies):
     """
 
     stage = 1
-    reshardable = True  # lesson 16's load_state_dicts may re-cut its shards for another world size
 
     def __init__(self, model, optimizer_class=torch.optim.AdamW, params=None, *,
                  param_dtype=None, max_grad_norm=None, find_unused_parameters=False, group=None, **defaults):
