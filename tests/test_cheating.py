@@ -194,7 +194,8 @@ def cheats(tmp_path_factory):
             "zero3_units-gather_unit": zero3.wrappers("zero3_units-gather_unit"),
             "zero3_units-RegatherForBackward": zero3.wrappers("zero3_units-RegatherForBackward"),
             "zero3_units-reduce_scatter_unit": zero3.from_solutions("zero3_units-reduce_scatter_unit"),
-            "zero3_schedule-prefetch_plan": REFERENCE.format(module="zero3_schedule") + "prefetch_plan = _reference.prefetch_plan"}),
+            "zero3_schedule-prefetch_plan":  # a name of its own: `_reference` is zero3_units, the wrappers' above
+                REFERENCE.format(module="zero3_schedule").replace("_reference", "_schedule") + "prefetch_plan = _schedule.prefetch_plan"}),
         ("05_zero3", "bytes"): zero3.notebook(folder, "bytes05", {
             "zero3_units-gather_unit": GATHER_WITH_ALL_REDUCE + HIDE_FROM_THE_LEDGER,
             "zero3_units-reduce_scatter_unit": zero3.wrappers("zero3_units-reduce_scatter_unit", via="zero_lab.zero3"),
