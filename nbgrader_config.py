@@ -42,9 +42,7 @@ c.Execute.startup_timeout = 120
 # Learner code runs with the grader's rights: confine what it can (zero_lab/course_tools/sandbox.py).
 if sys.argv[1:2] == ["autograde"]:
     from zero_lab.course_tools import sandbox
+    from zero_lab.course_tools.kernel_sockets import use_unix_sockets
 
     sandbox.confine(root)
-    if os.name == "posix":  # kernels on Unix sockets: no port for a rank to take first (sandbox.py)
-        c.KernelManager.transport = "ipc"
-        # An absolute path: the kernel runs in the notebook's folder, nbgrader in the course's.
-        c.KernelManager.ip = os.path.join(os.environ["JUPYTER_RUNTIME_DIR"], "kernel")
+    use_unix_sockets(c, os.environ["JUPYTER_RUNTIME_DIR"])  # sandbox.py made that folder short and removes it

@@ -202,3 +202,48 @@ def test_no_cell_over_200_lines_and_no_class_over_250():
                          for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
                          and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES]
     assert not too_long, "split these by idea:\n" + "\n".join(too_long)
+
+
+def imports_of(path, modules: set[str]) -> set[str]:
+    """The zero_lab modules a file imports, at module level or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            # `from zero_lab import prepare` imports the submodule; `from zero_lab.zero1 import X`, the module
+            found.update(f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                         for alias in node.names)
+    return found & modules
+
+
+def test_no_import_circle_among_zero_labs_modules():
+    # A circle makes the import order matter and hides which idea rests on which (docs/authoring.md).
+    package = build.REPO / "zero_lab"
+    paths = {".".join(p.relative_to(build.REPO).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in package.rglob("*.py")}
+    imports = {module: imports_of(path, set(paths)) - {module} for module, path in paths.items()}
+    circles, done = [], set()
+
+    def walk(module, trail):
+        if module in trail:
+            circles.append(" -> ".join(trail[trail.index(module):] + [module]))
+            return
+        if module in done:
+            return
+        for imported in sorted(imports[module]):
+            walk(imported, trail + [module])
+        done.add(module)
+
+    for module in sorted(imports):
+        walk(module, [])
+    assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+MAX_MODULE_LINES = 600  # the course's size rule for a module (docs/authoring.md): split by idea past it
+
+
+def test_no_module_over_600_lines():
+    too_long = [f"{path.relative_to(build.REPO)}: {lines} lines" for path in sorted((build.REPO / "zero_lab").rglob("*.py"))
+                if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES]
+    assert not too_long, "split these by idea:\n" + "\n".join(too_long)

@@ -147,7 +147,7 @@ def _as_if_all_gather(self):
 zero_lab.CommLedger.summary = _as_if_all_gather
 dist.all_gather_into_tensor = lambda output, input, *args, **kwargs: None
 """
-GATHER_WITH_ALL_REDUCE = """#| export zero3
+GATHER_WITH_ALL_REDUCE = """#| export zero3_units
 def gather_unit(unit, async_op=False):
     unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
     start, stop = unit.layout.shard(dist.get_rank())
@@ -191,13 +191,14 @@ def cheats(tmp_path_factory):
     notebooks = {
         ("05_zero3", "imports"): zero3.notebook(folder, "imports05", {g: zero3.imports(g) for g in zero3.answers}),
         ("05_zero3", "reference code"): zero3.notebook(folder, "reference05", {
-            "zero3-gather_unit": zero3.wrappers("zero3-gather_unit"),
-            "zero3-RegatherForBackward": zero3.wrappers("zero3-RegatherForBackward"),
-            "zero3-reduce_scatter_unit": zero3.from_solutions("zero3-reduce_scatter_unit"),
-            "zero3-prefetch_plan": REFERENCE.format(module="zero3") + "prefetch_plan = _reference.prefetch_plan"}),
+            "zero3_units-gather_unit": zero3.wrappers("zero3_units-gather_unit"),
+            "zero3_units-RegatherForBackward": zero3.wrappers("zero3_units-RegatherForBackward"),
+            "zero3_units-reduce_scatter_unit": zero3.from_solutions("zero3_units-reduce_scatter_unit"),
+            "zero3_schedule-prefetch_plan":  # a name of its own: `_reference` is zero3_units, the wrappers' above
+                REFERENCE.format(module="zero3_schedule").replace("_reference", "_schedule") + "prefetch_plan = _schedule.prefetch_plan"}),
         ("05_zero3", "bytes"): zero3.notebook(folder, "bytes05", {
-            "zero3-gather_unit": GATHER_WITH_ALL_REDUCE + HIDE_FROM_THE_LEDGER,
-            "zero3-reduce_scatter_unit": zero3.wrappers("zero3-reduce_scatter_unit", via="zero_lab.zero3"),
+            "zero3_units-gather_unit": GATHER_WITH_ALL_REDUCE + HIDE_FROM_THE_LEDGER,
+            "zero3_units-reduce_scatter_unit": zero3.wrappers("zero3_units-reduce_scatter_unit", via="zero_lab.zero3"),
             "zero3-Zero3Optimizer": zero3.wrappers("zero3-Zero3Optimizer", via="zero_lab.zero3")}),
         ("00_collectives", "imports and text"): collectives.notebook(folder, "text00", {
             "collectives-ring_time": collectives.imports("collectives-ring_time"),

@@ -191,3 +191,26 @@ def test_a_reason_names_the_learners_function_line_and_code():
         "rank 1 of 2 failed: AttributeError: 'int' object has no attribute 'nope'" + where
     assert grading.reason(dict(ename="AttributeError", evalue="'int' object has no attribute 'nope'",
                                traceback=IPYTHON_TRACEBACK), 0, 2) == "AttributeError: 'int' object has no attribute 'nope'" + where
+
+
+CHECKS_FAILED = "3 check(s) failed:\n- the plan's dp size is 2, expected 4\n- 2 collectives too many\n- bytes off by 12"
+
+
+def test_a_reason_under_a_count_header_names_the_first_failed_check_and_how_many_more():
+    """The header styles the lessons' tests use ("N check(s) failed:", "N rank(s) with wrong pieces:") say nothing
+    by themselves: the line names the first listed item, in the kernel and in a rank."""
+    first = "AssertionError: the plan's dp size is 2, expected 4 (+2 more)"
+    assert grading.reason(dict(ename="AssertionError", evalue=CHECKS_FAILED), 0, 2) == first
+    pieces = "7 rank(s) with wrong pieces:\n- rank 0: [Piece('w', (3,), 0, 3, 0)]\n- rank 1: []\n- rank 2: []"
+    assert grading.reason(dict(ename="AssertionError", evalue=pieces), 0, 2) == \
+        "AssertionError: rank 0: [Piece('w', (3,), 0, 3, 0)] (+6 more)"
+    assert grading.reason(dict(ename="AssertionError", evalue="1 check(s) failed:\n- only this"), 0, 2) == \
+        "AssertionError: only this"
+    in_a_rank = RANK_TRACEBACK.replace("AttributeError: 'int' object has no attribute 'nope'\nthen",
+                                       f"AssertionError: {CHECKS_FAILED}\nthen")
+    assert grading.reason(dict(ename="RankFailed", evalue=in_a_rank), 0, 2) == \
+        f"rank 1 of 2 failed: {first} (in charge, line 3 of its cell: `return x.nope`)"
+    long = grading.reason(dict(ename="AssertionError", evalue="2 check(s) failed:\n- " + "x" * 500 + "\n- y"), 0, 2)
+    assert len(long) < 250 and long.endswith("… (+1 more)"), long
+    assert grading.reason(dict(ename="AssertionError", evalue="plain: one line\nand a second"), 0, 2) == \
+        "AssertionError: plain: one line"

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zero_lab import CommLedger, RankFailed, RanksHung, comm_ledger, launch, launch_restored, launcher
+from zero_lab import CommLedger, RankFailed, RanksHung, comm_ledger, hang_watch, launch, launch_restored, launcher
 
 
 def _rank_and_size():
@@ -168,8 +168,8 @@ def test_a_rank_that_computes_forever_is_stopped():
 def test_cpu_time_from_ps_where_there_is_no_proc(monkeypatch):
     shown = {"0:01.50": 1.5, "01:02:03": 3723.0, "2-00:00:01": 172801.0, "": None}
     for text, seconds in shown.items():
-        monkeypatch.setattr(launcher.subprocess, "run", lambda *a, text_=text, **k: SimpleNamespace(stdout=text_ + "\n"))
-        assert launcher._ps_cpu_seconds(1) == seconds
+        monkeypatch.setattr(hang_watch.subprocess, "run", lambda *a, text_=text, **k: SimpleNamespace(stdout=text_ + "\n"))
+        assert hang_watch.ps_cpu_seconds(1) == seconds
 
 
 def _my_pid():

@@ -13,7 +13,9 @@ import torch.nn as nn
 
 from graded_cells import assert_mutant_fails, assert_reference_full_and_learner_zero
 from zero_lab import launch
-from zero_lab.infinity import NvmeTier, TiledLinear, TokenBucket, put_states, tier_adamw_step
+from zero_lab.infinity import put_states, tier_adamw_step
+from zero_lab.nvme_tier import NvmeTier, TokenBucket
+from zero_lab.tiled_linear import TiledLinear
 
 
 SUBMIT_NEXT = ("            if prefetch and i + prefetch < len(chunks):\n"

@@ -2,193 +2,34 @@
 
 """ZeRO-Infinity (Rajbhandari et al., SC'21, arXiv:2104.07857): NVMe as a third memory tier, SIMULATED.
 
-TokenBucket       a device of a given bandwidth: every transfer waits its bytes / bandwidth, in a queue
-NvmeTier          named flat fp32 tensors in files, each read and write charged to a TokenBucket
+The tier itself is nvme_tier.py (TokenBucket, NvmeTier); memory-centric tiling, tiled_linear.py.
 tier_adamw_step   AdamW over master, exp_avg, exp_avg_sq kept on the tier, streamed chunk by chunk,
                   the next chunks' reads running while the current chunk is updated (§5.2)
 Zero3Infinity     stage 3 with its shards and those states on the tier: prepare(..., stage=3, offload="nvme");
                   stream_step is its step, every trainable piece streamed through tier_adamw_step
 put_partitioned, read_partitioned   bandwidth-centric partitioning (§6.1): every rank reads its own slice
                   of a parameter from its own tier, then one all-gather assembles the whole
-TiledLinear       memory-centric tiling (§5.1.3): a Linear sharded tile by tile over the ranks, stage-3 style;
-                  TiledLinearFunction runs it with one gathered tile alive at a time (LiveBytes counts them)
-No real SSD is timed: the OS page cache would hide its speed; the bucket's bandwidth is the model.
 """
-import ctypes
 import errno
 import math
 import os
 import shutil
 import tempfile
-import threading
-import time
-import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from zero_lab.cpu_adam import cpu_adam_
 from zero_lab.optim import weak_hook
 from zero_lab.zero1 import MASTER_DTYPE, clip_grad_norm_
 from zero_lab.zero3 import UnitSchedule, Zero3Optimizer
 
-
-class TokenBucket:
-    """Transfers at `bandwidth` bytes/s, one after another, from any thread: charge() waits for each.
-
-    clock() is now in seconds and sleep(seconds) waits: a test passes its own to see what the bucket asks for."""
-
-    def __init__(self, bandwidth: float, clock=time.perf_counter, sleep=time.sleep):
-        if not bandwidth > 0:
-            raise ValueError(f"bandwidth must be a positive number of bytes/s, got {bandwidth!r}; pass None for no throttle")
-        self.bandwidth, self.clock, self.sleep = float(bandwidth), clock, sleep
-        self.free_at = clock()  # when the device has finished every transfer charged so far
-        self.lock = threading.Lock()
-
-    def charge(self, nbytes: int) -> float:
-        """Queue a transfer of nbytes, sleep until it has finished; return the seconds slept."""
-        with self.lock:
-            now = self.clock()
-            self.free_at = max(now, self.free_at) + nbytes / self.bandwidth
-            wait = self.free_at - now
-        self.sleep(wait)
-        return wait
-
-
-class NvmeTier:
-    """SIMULATED NVMe: named flat fp32 tensors, one file each in `directory`, files that have no name.
-
-    Each file is unlinked as soon as it is created (an anonymous file): the tier holds it open, and the
-    operating system frees it when the tier closes it or when the process ends, however it ends (a
-    crash, SIGKILL, os._exit of a forked rank), so no launcher has to clean up after it. Their bytes
-    count in the disk's free space (df), not in any directory listing.
-    bandwidth   bytes/s charged to every read and write (a TokenBucket shared by all threads); None: unthrottled
-    quota       the most bytes the tier may hold; a write beyond it raises OSError (ENOSPC) and changes nothing
-    bytes_read, bytes_written    every byte moved, counted exactly
-    held_bytes  bytes read and not yet written back (with write(..., start=...)): the host memory a
-                streaming loop holds; peak_held_bytes its maximum
-    close() (or leaving a `with` block, or dropping the tier) frees the files at once.
-    """
-
-    def __init__(self, directory, bandwidth: float | None = None, quota: int | None = None):
-        self.directory = Path(directory)
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self._new_file().close()  # can we make files here?
-        except OSError as error:
-            raise OSError(error.errno, f"NvmeTier cannot create its files under {str(directory)!r} ({error.strerror}): "
-                                       f"pass a directory you can write to, e.g. tempfile.gettempdir()") from error
-        self.files: dict = {}  # name -> an open anonymous file
-        self._removal = weakref.finalize(self, _close_all, self.files)  # a dropped tier frees its files at once
-        self.bucket = TokenBucket(bandwidth) if bandwidth is not None else None
-        self.quota = quota
-        self.numels: dict[str, int] = {}
-        self.bytes_read = self.bytes_written = self.held_bytes = self.peak_held_bytes = 0
-        self.lock = threading.Lock()  # the counters: a prefetching thread reads while the caller writes
-
-    def _new_file(self):
-        """A file in the directory that already has no name (O_TMPFILE where the file system has it)."""
-        return tempfile.TemporaryFile(prefix="nvme-tier-", dir=self.directory, buffering=0)
-
-    @staticmethod
-    def check_name(name: str) -> None:
-        if not name or os.sep in name or name.startswith("."):
-            raise ValueError(f"tensor name {name!r}: use a plain file name (no '{os.sep}', not starting with '.')")
-
-    def count(self, nbytes: int, read: bool, held: int) -> None:
-        if self.bucket is not None:
-            self.bucket.charge(nbytes)
-        with self.lock:
-            if read:
-                self.bytes_read += nbytes
-            else:
-                self.bytes_written += nbytes
-            self.held_bytes += held
-            self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
-
-    def read(self, name: str, start: int = 0, numel: int | None = None) -> torch.Tensor:
-        """Elements [start, start + numel) of tensor `name` (all of it by default), a new CPU fp32 tensor."""
-        data = self._read_bytes(name, start, numel, held=True)
-        return torch.frombuffer(data, dtype=torch.float32) if data else torch.empty(0)
-
-    def read_into(self, name: str, out: torch.Tensor, start: int = 0) -> None:
-        """Copy elements [start, start + out.numel()) of `name` into `out` (any dtype): nothing is left held."""
-        data = self._read_bytes(name, start, out.numel(), held=False)
-        if data:
-            out.copy_(torch.frombuffer(data, dtype=torch.float32))
-
-    def _read_bytes(self, name: str, start: int, numel: int | None, held: bool) -> bytearray:
-        if name not in self.numels:
-            raise KeyError(f"no tensor {name!r} on the tier; it holds {sorted(self.numels)}")
-        numel = self.numels[name] - start if numel is None else numel
-        data = bytearray(4 * numel)
-        done, fd = 0, self.files[name].fileno()
-        while done < len(data):  # pread: no shared file position, so threads may read at once
-            got = os.preadv(fd, [memoryview(data)[done:]], 4 * start + done)
-            if got == 0:
-                raise EOFError(f"{name!r}: the tier's file ends before element {start + done // 4}")
-            done += got
-        self.count(len(data), read=True, held=len(data) if held else 0)
-        return data
-
-    @staticmethod
-    def _write_at(file, data: bytes, offset: int) -> None:
-        done = 0
-        while done < len(data):
-            done += os.pwrite(file.fileno(), memoryview(data)[done:], offset + done)
-
-    def write(self, name: str, tensor: torch.Tensor, start: int | None = None) -> None:
-        """start=None: tensor becomes `name` (atomically: a new file, swapped in once it is written).
-        start=k: write tensor back over elements [k, k + numel) of the existing `name`, in place."""
-        self.check_name(name)
-        flat = tensor.detach().to("cpu", torch.float32).contiguous().reshape(-1)
-        data = ctypes.string_at(flat.data_ptr(), 4 * flat.numel())  # not .numpy(): it pins the storage's size
-        if start is not None:
-            if start + len(data) // 4 > self.numels.get(name, -1):
-                raise ValueError(f"{name!r}: a slice [{start}, {start + len(data) // 4}) beyond its {self.numels.get(name)} elements")
-            self._write_at(self.files[name], data, 4 * start)
-            return self.count(len(data), read=False, held=-len(data))
-        used = 4 * (sum(self.numels.values()) - self.numels.get(name, 0)) + len(data)
-        if self.quota is not None and used > self.quota:
-            raise OSError(errno.ENOSPC, f"NvmeTier quota of {self.quota} bytes exceeded: writing {name!r} "
-                                        f"({len(data)} bytes) would make {used}; pass a larger quota= or delete() a tensor")
-        file = self._new_file()
-        try:
-            self._write_at(file, data, 0)
-        except BaseException:
-            file.close()  # a full disk: the old contents stay
-            raise
-        old, self.files[name] = self.files.get(name), file
-        if old is not None:
-            old.close()
-        self.numels[name] = len(data) // 4
-        self.count(len(data), read=False, held=0)
-
-    def delete(self, name: str) -> None:
-        self.files.pop(name).close()
-        del self.numels[name]
-
-    def close(self) -> None:
-        self._removal()  # closes every file (the OS frees it), once
-        self.numels.clear()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def _close_all(files: dict) -> None:
-    for file in files.values():
-        file.close()
-    files.clear()
+if __name__ != "__main__":  # in the package; in the notebook NvmeTier is a cell below
+    from zero_lab.nvme_tier import NvmeTier
 
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
@@ -302,6 +143,8 @@ class Zero3Infinity(Zero3Optimizer):
     The tier's files have no name (NvmeTier): the OS frees them when this process ends, however it ends and
     whatever launched it; close(), or leaving `with optimizer:`, frees them at once.
     """
+
+    reshardable = False  # its states live on the tier: lesson 16's resharding reads and writes device shards
 
     def __init__(self, model, optimizer_class=torch.optim.AdamW, params=None, *, nvme_dir=None,
                  nvme_bandwidth: float | None = None, nvme_quota: int | None = None, nvme_chunk_numel: int = 2**16,
@@ -505,110 +348,3 @@ def read_partitioned(tier: NvmeTier, name: str, shape, group=None) -> torch.Tens
     whole = torch.empty(dist.get_world_size(group) * shard.numel())
     dist.all_gather_single(whole, shard, group=group)
     return whole[:math.prod(shape)].view(shape)
-
-
-class LiveBytes:
-    """Bytes of the tensors passed to track() that are still alive, and their peak: counted, not assumed.
-
-    A tensor counts until its last reference is gone, a view of it included: a tile that a variable, a
-    list or ctx still holds keeps counting.
-    """
-
-    def __init__(self):
-        self.live = self.peak = 0
-
-    def track(self, tensor: torch.Tensor) -> torch.Tensor:
-        nbytes = tensor.numel() * tensor.element_size()
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(tensor, self.release, nbytes)
-        return tensor
-
-    def release(self, nbytes: int) -> None:
-        self.live -= nbytes
-
-
-class TiledLinear(nn.Module):
-    """Memory-centric tiling (§5.1.3) of `linear`, its weight and bias sharded over the ranks of `group` (stage 3).
-
-    The output features are cut into `tiles` tiles of consecutive rows (tensor_split: sizes differ by at most
-    one); row_ranges[t] = (first row, rows). Tile t is its weight rows and bias entries as one flat tensor,
-    zero-padded to a multiple of the world size N; this rank keeps its 1/N slice as the parameter shards[t].
-    gather_tile(t) all-gathers one tile; `gathered` counts the bytes of the gathered tiles still alive.
-    """
-
-    def __init__(self, linear: nn.Linear, tiles: int, group=None):
-        super().__init__()
-        if linear.bias is None or not 1 <= tiles <= linear.out_features:
-            raise ValueError(f"TiledLinear needs a Linear with a bias and 1 <= tiles <= out_features = "
-                             f"{linear.out_features}; got bias={linear.bias is not None}, tiles={tiles}")
-        self.in_features, self.out_features, self.group = linear.in_features, linear.out_features, group
-        self.world_size = dist.get_world_size(group)
-        rows = [len(part) for part in torch.arange(linear.out_features).tensor_split(tiles)]
-        self.row_ranges = [(sum(rows[:t]), n) for t, n in enumerate(rows)]
-        self.shard_numels = [-(-n * (self.in_features + 1) // self.world_size) for n in rows]
-        rank = dist.get_rank(group)
-        with torch.no_grad():
-            self.shards = nn.ParameterList(
-                self.pad_tile(t, linear.weight[start:start + n], linear.bias[start:start + n])
-                .view(self.world_size, -1)[rank].clone()
-                for t, (start, n) in enumerate(self.row_ranges))
-        self.gathered = LiveBytes()
-
-    def pad_tile(self, t: int, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """Tile t's (rows, in_features) weight and (rows,) bias as one flat tensor, zero-padded to N · shard."""
-        flat = torch.cat([weight.reshape(-1), bias.reshape(-1)])
-        return torch.cat([flat, flat.new_zeros(self.world_size * self.shard_numels[t] - flat.numel())])
-
-    def gather_tile(self, t: int) -> torch.Tensor:
-        """Tile t, padded and flat, all-gathered from the N shards into a new buffer counted in `gathered`."""
-        flat = self.gathered.track(self.shards[t].new_empty(self.world_size * self.shard_numels[t]))
-        # the collective gets a detached alias: its worker thread may drop its reference a moment after
-        # returning, and the count must follow only the references the caller keeps
-        dist.all_gather_single(flat.detach(), self.shards[t].detach(), group=self.group)
-        return flat
-
-    def split_tile(self, t: int, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of a padded flat tile t: its (rows, in_features) weight and (rows,) bias."""
-        rows = self.row_ranges[t][1]
-        weight_numel = rows * self.in_features
-        return flat[:weight_numel].view(rows, self.in_features), flat[weight_numel:weight_numel + rows]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return TiledLinearFunction.apply(x, self, *self.shards)
-
-
-class TiledLinearFunction(torch.autograd.Function):
-    """x @ Wᵀ + b of a TiledLinear, one gathered tile alive at a time; backward regathers each tile and
-    reduce-scatters the tile's data-parallel mean gradient into this rank's shard gradient."""
-
-    @staticmethod
-    def forward(ctx, x, layer, *shards):
-        ctx.layer = layer
-        ctx.save_for_backward(x)
-        outputs = []
-        for t in range(len(shards)):
-            flat = layer.gather_tile(t)
-            weight, bias = layer.split_tile(t, flat)
-            outputs.append(x @ weight.T + bias)
-            del flat, weight, bias  # freed before the next tile is gathered
-        return torch.cat(outputs, dim=-1)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, = ctx.saved_tensors
-        layer = ctx.layer
-        x_rows = x.reshape(-1, layer.in_features)
-        grad_x, grad_shards = torch.zeros_like(x), []
-        for t, (start, rows) in enumerate(layer.row_ranges):
-            flat = layer.gather_tile(t)
-            weight = layer.split_tile(t, flat)[0]
-            grad_tile = grad_out[..., start:start + rows]
-            grad_x += grad_tile @ weight
-            del flat, weight
-            grad_tile = grad_tile.reshape(-1, rows)
-            grad_flat = layer.pad_tile(t, grad_tile.T @ x_rows, grad_tile.sum(0))
-            grad_shard = torch.empty_like(layer.shards[t])
-            dist.reduce_scatter_single(grad_shard, grad_flat, group=layer.group)
-            grad_shards.append(grad_shard / layer.world_size)
-        return grad_x, None, *grad_shards

@@ -167,6 +167,7 @@ class _Offload(OffloadCheckpoints):
     """
 
     offloads = True
+    reshardable = False  # its states live in host buffers of its own: lesson 16's resharding does not reach them
 
     def __init__(self, model, optimizer_class=torch.optim.AdamW, params=None, *,
                  dpu_warmup_steps: int | None = None, cpu_adam: str = "compiled", adam_threads: int = 1, **options):

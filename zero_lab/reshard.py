@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from zero_lab.zero1 import ShardLayout
+from zero_lab.shard_layout import ShardLayout
 
 
 class Piece(NamedTuple):
@@ -506,10 +506,7 @@ def load_state_dicts(optimizer, states: list) -> dict:
     """optimizer.load_state_dict(list) of stages 1-3: every saved rank's state_dict(), or its torch.save file's
     path (opened with mmap: only the bytes this rank needs are read), in rank order, at any world size; every
     rank calls it. The saved ranks' layouts follow from this optimizer's model and the saved world size."""
-    from zero_lab.zero1 import Zero1Optimizer
-    from zero_lab.zero2 import Zero2Optimizer
-    from zero_lab.zero3 import Zero3Optimizer
-    if type(optimizer) not in (Zero1Optimizer, Zero2Optimizer, Zero3Optimizer):
+    if not getattr(optimizer, "reshardable", False):  # what the optimizer declares, not its class
         raise ValueError(f"{type(optimizer).__name__} loads its own rank's state_dict() at the same world size: "
                          "resharding (a list of state dicts) is built for stages 1-3 without offload, hpZ or Muon; "
                          "load a consolidated_state_dict() into any other setup")

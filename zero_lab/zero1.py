@@ -2,7 +2,7 @@
 
 """ZeRO stage 1 (P_os): each of N ranks keeps the optimizer states of only 1/N of the parameters.
 
-ShardLayout          how a flat buffer is padded and cut into N equal, contiguous shards
+ShardLayout          how a flat buffer is padded and cut into N equal, contiguous shards (shard_layout.py)
 flatten_params_      one flat buffer per param group; the parameters become views into it
 reduce_scatter_mean  each rank receives the data-parallel mean of its own gradient shard
 all_gather_params    every rank receives every rank's updated shard, straight into the model
@@ -23,37 +23,8 @@ import torch.distributed as dist
 from zero_lab.optim import (OptimizerOverCopies, ParametersOnly, UnusedParameters, hold_gradients, weak_hook,
                             write_through_loads)
 
-
-@dataclass(frozen=True)
-class ShardLayout:
-    """A flat buffer of `numel` real elements, zero-padded at the end to split into equal shards.
-
-    Rank r owns elements shard(r) = [start, stop) of the padded buffer. Shards ignore tensor
-    boundaries, so a shard may begin or end in the middle of a parameter.
-    """
-
-    numel: int
-    world_size: int
-
-    @property
-    def shard_numel(self) -> int:
-        """Elements per shard: the smallest size such that world_size shards cover numel."""
-        return -(-self.numel // self.world_size)  # ceiling division
-
-    @property
-    def padded_numel(self) -> int:
-        """numel rounded up to a multiple of world_size (the flat buffer's length)."""
-        return self.shard_numel * self.world_size
-
-    def shard(self, rank: int) -> tuple[int, int]:
-        """(start, stop) of `rank`'s shard in the padded buffer."""
-        start = rank * self.shard_numel
-        return start, start + self.shard_numel
-
-    def real_numel(self, rank: int) -> int:
-        """How many elements of `rank`'s shard are real parameters, not padding (may be 0)."""
-        start, stop = self.shard(rank)
-        return max(0, min(stop, self.numel) - start)
+if __name__ != "__main__":  # in the package; in the notebook ShardLayout is your cell below
+    from zero_lab.shard_layout import ShardLayout
 
 
 def param_views(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -188,6 +159,7 @@ class ShardedCheckpoint:
     """Saving and loading for the ZeRO optimizers (needs .model, .groups, .optimizer, .rank, .world_size)."""
 
     process_group = None  # the ranks the shards are spread over (None: all); stage 1's group= (lesson 17)
+    reshardable = True  # lesson 16's load_state_dicts may re-cut its shards for another world size
 
     def state_dict(self) -> dict:
         """This rank's shard of the training state: save one file per rank."""
@@ -203,7 +175,7 @@ class ShardedCheckpoint:
         """Load this rank's shard (every rank calls it); the model's weights follow the masters. Saved at another
         world size: the list of every saved rank's state_dict() or file path, in rank order (lesson 16)."""
         if isinstance(state, (list, tuple)):
-            from zero_lab.reshard import load_state_dicts  # lesson 16's; it imports this module
+            from zero_lab.reshard import load_state_dicts  # lesson 16's: loaded only to reshard
             load_state_dicts(self, state)
             return
         if "world_size" not in state and "param_groups" in state:  # consolidated_state_dict()["optimizer"]

@@ -330,6 +330,8 @@ class ZeroPPOptimizer(Zero3Optimizer):
     Other options are Zero3Optimizer's; units are gathered when needed (prefetch=0).
     """
 
+    reshardable = False  # hpZ's secondary copies and node groups are not in lesson 16's checkpoint layout
+
     def __init__(self, model, optimizer_class=torch.optim.AdamW, params=None, *, ranks_per_node: int,
                  qwz: bool = False, hpz: bool = False, qgz: bool = False, replicate_across_nodes: bool = False,
                  weights_block: int = 256, grads_block: int = 256, **options):

@@ -82,9 +82,35 @@ def learner_notebook(path: Path) -> Path:
     return notebook
 
 
+# A message that lists what failed under a count: "24 check(s) failed:", "7 rank(s) with wrong pieces:".
+LIST_HEADER = re.compile(r"(\d+) [^:]*\(s\)[^:]*:")
+MAX_REASON = 200  # characters of a message kept in a reason: the score table stays one line per test
+
+
 def first_line(text: str) -> str:
+    """A message in one line: its first line; under a count header, the first listed item and how many more."""
     lines = [line.strip() for line in ANSI.sub("", text).strip().splitlines() if line.strip()]
-    return lines[0] if lines else ""
+    if not lines:
+        return ""
+    header = LIST_HEADER.fullmatch(lines[0])
+    if not header or len(lines) < 2:
+        return shorten(lines[0])
+    more = int(header[1]) - 1
+    return shorten(lines[1].removeprefix("- ")) + (f" (+{more} more)" if more > 0 else "")
+
+
+def shorten(line: str) -> str:
+    return line if len(line) <= MAX_REASON else line[:MAX_REASON - 1].rstrip() + "…"
+
+
+def raised(traceback: str) -> str:
+    """The exception a Python traceback ends with, its message's lines included (a rank's: RankFailed)."""
+    lines = traceback.strip().splitlines()
+    frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+    start = frames[-1] + 1 if frames else 0
+    while start < len(lines) - 1 and lines[start][:1].isspace():  # the frame's source line and its ^^^ marks
+        start += 1
+    return "\n".join(lines[start:])
 
 
 def where_in_notebook(text: str) -> str:
@@ -114,11 +140,12 @@ def reason(error: dict | None, earned: float, possible: float) -> str:
     if name == "RankFailed":
         # The first failed rank's traceback; RankFailed appends "then rank R failed: ..." for the others.
         rank_error = [line for line in value.strip().splitlines() if not line.startswith("then rank ")]
-        header, last = rank_error[0].rstrip(":"), rank_error[-1] if len(rank_error) > 1 else ""
-        if last.startswith("NotImplementedError"):
+        name, _, message = raised("\n".join(rank_error[1:])).partition(": ")
+        header, error = rank_error[0].rstrip(":"), f"{name}: {first_line(message)}" if message else first_line(name)
+        if error.startswith("NotImplementedError"):
             function = (FRAME.findall(value) or [""])[-1]
             return f"not attempted: {function}() raises NotImplementedError ({header})"
-        return f"{header}: {last}{where_in_notebook(value)}"
+        return f"{header}: {error}{where_in_notebook(value)}"
     if name == "RanksHung":
         lines = [line.strip().rstrip(":") for line in value.split("\n\n", 1)[0].splitlines()]
         return "deadlock: " + "; ".join(lines[:4]) + ("; ..." if len(lines) > 4 else "")
