@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from zero_lab import perturb_sums
 from zero_lab.course_tools import build, grading
 from zero_lab.course_tools.implementation import REPO
 
@@ -59,6 +60,7 @@ NUMERICS = re.compile(r"one_process|single_process|matches|bit_for_bit|identical
 
 
 def pytest_configure(config):
+    perturb_sums.install()  # under ZERO_LAB_PERTURB_SUMS: this process's sums round as another CPU's might
     config.addinivalue_line("markers", "numerics: compares floats that another CPU's math kernels may round otherwise")
 
 
