@@ -74,14 +74,14 @@ def single_process(steps=STEPS, max_grad_norm=None, make_scheduler=None):
     return weights(model), norms
 
 
-def adamw_drift(lrs, betas=(0.9, 0.999)) -> float:
-    """How far apart two AdamW runs (step t at lrs[t-1]) may put an element whose exact gradient is zero: what they
-    compute there is rounding noise, which the step divides by its own root mean square, so step t moves it by up to
-    lr_t * sqrt(sum_i a_i^2 / b_i), a and b the weights of the bias-corrected moments (Cauchy-Schwarz; 1.04 at t = 10),
-    either way, as the rounding says. Decoupled weight decay only shrinks the gap."""
+def adamw_drift(lrs, betas=(0.9, 0.999), first_step=1) -> float:
+    """How far apart two AdamW runs (steps first_step, first_step + 1, ... at lrs) may put an element whose exact
+    gradient is zero: what they compute there is rounding noise, which the step divides by its own root mean square,
+    so step t moves it by up to lr_t * sqrt(sum_i a_i^2 / b_i), a and b the weights of the bias-corrected moments
+    (Cauchy-Schwarz; 1.04 at t = 10), either way, as the rounding says. Decoupled weight decay only shrinks the gap."""
     beta1, beta2 = betas
     drift = 0.0
-    for t, lr in enumerate(lrs, 1):
+    for t, lr in enumerate(lrs, first_step):
         a = [(1 - beta1) * beta1 ** (t - i) / (1 - beta1 ** t) for i in range(1, t + 1)]
         b = [(1 - beta2) * beta2 ** (t - i) / (1 - beta2 ** t) for i in range(1, t + 1)]
         drift += lr * math.sqrt(sum(x * x / y for x, y in zip(a, b)))

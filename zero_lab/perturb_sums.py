@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
 
 VARIABLE = "ZERO_LAB_PERTURB_SUMS"
 EXACT_LOW_BITS = 3  # a value whose last 3 significand bits are 0 is taken to be an exact sum
@@ -124,13 +124,13 @@ def before_sum(tensors, in_place: bool):
     if salt is None:
         return tensors
     moved = []
-    for t in tensors:
-        if t.is_floating_point() and t.dtype in _INT_VIEW and t.numel() > 0:
-            with torch.no_grad():
+    with torch.no_grad(), _disable_current_modes():  # unseen by the modes that count (zero_r.bytes_during)
+        for t in tensors:
+            if type(t) is torch.Tensor and t.dtype in _INT_VIEW and t.device.type != "meta" and t.numel() > 0:
                 new = perturbed(t.detach(), salt + 1)
-            if in_place:
-                t.copy_(new)
-            else:
-                t = new
-        moved.append(t)
+                if in_place:
+                    t.copy_(new)
+                else:
+                    t = new
+            moved.append(t)
     return moved
