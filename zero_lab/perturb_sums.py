@@ -43,9 +43,8 @@ SUMMING_OPS = {
     aten.norm, aten.linalg_vector_norm, aten._foreach_norm, aten.cumsum, aten.logsumexp, aten._softmax,
     aten._log_softmax, aten._softmax_backward_data, aten._log_softmax_backward_data, aten.native_layer_norm,
     aten.native_layer_norm_backward, aten._fused_rms_norm, aten._fused_rms_norm_backward, aten.embedding_dense_backward,
-    aten.index_add, aten.scatter_add, aten.nll_loss_forward, aten.nll_loss_backward, aten.mse_loss,
-    aten.mse_loss_backward, aten.convolution, aten.convolution_backward, aten._scaled_dot_product_flash_attention_for_cpu,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward,
+    aten.index_add, aten.scatter_add, aten.nll_loss_forward, aten.mse_loss, aten.convolution, aten.convolution_backward,
+    aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward,
 }
 
 
