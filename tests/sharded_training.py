@@ -91,7 +91,8 @@ def adamw_drift(lrs, betas=(0.9, 0.999), first_step=1) -> float:
 def key_biases(config=TINY_GPT) -> dict:
     """{name: index} of the GPT's elements whose gradient is zero in exact arithmetic: the key third of each block's
     c_attn.bias (a number added to every score of a query leaves its softmax as it was)."""
-    return {f"transformer.h.{i}.attn.c_attn.bias": slice(config.n_embd, 2 * config.n_embd) for i in range(config.n_layer)}
+    keys = slice(config.n_embd, 2 * config.n_embd)
+    return {f"transformer.h.{i}.attn.c_attn.bias": keys for i in range(config.n_layer)}
 
 
 def assert_close(per_rank, expected, atol=1e-6, rtol=1e-5, noise=None):

@@ -271,7 +271,8 @@ _SUMS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM)
 
 
 def _perturb_sum(tensors, opts, in_place=True):
-    """Under ZERO_LAB_PERTURB_SUMS (zero_lab/perturb_sums.py): a sum's inputs moved an ulp each, as another order would."""
+    """Under ZERO_LAB_PERTURB_SUMS (zero_lab/perturb_sums.py): a sum's inputs moved an ulp each, as another order
+    would."""
     return perturb_sums.before_sum(tensors, in_place) if any(opts.reduceOp == op for op in _SUMS) else tensors
 
 

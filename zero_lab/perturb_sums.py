@@ -73,7 +73,8 @@ def perturbed(values: torch.Tensor, salt: int) -> torch.Tensor:
     inexact = (bits & (2 ** EXACT_LOW_BITS - 1)) != 0  # zero has none, and neither has infinity
     move = inexact & torch.isfinite(values)
     up = (_mix(bits, salt) & (1 << 40)) != 0
-    toward = torch.where(up, torch.tensor(float("inf"), dtype=values.dtype), torch.tensor(float("-inf"), dtype=values.dtype))
+    infinity = torch.tensor(float("inf"), dtype=values.dtype)
+    toward = torch.where(up, infinity, -infinity)
     return torch.where(move, torch.nextafter(values, toward), values)
 
 
