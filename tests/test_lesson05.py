@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from graded_cells import graded_cell_with
-from sharded_training import (SIZES, TINY_GPT, assert_close, gpt_batches, gpt_groups, gpt_loss,
+from sharded_training import (SIZES, TINY_GPT, assert_close, gpt_batches, gpt_groups, gpt_groups_noise, gpt_loss,
                               gpt_with_groups_single_process, mlp_batches, train, weights)
 from zero_lab import CommLedger, RankFailed, launch
 from zero_lab.data import shard_batch, token_batches
@@ -117,7 +117,7 @@ def test_param_groups_frozen_and_tied_gpt():
 
     for w, tied in launch(run, 3, timeout=60):
         assert tied
-        assert_close([w], expected, atol=1e-4, rtol=1e-4)  # atol: see test_lesson04
+        assert_close([w], expected, noise=gpt_groups_noise())  # the key biases within AdamW's drift: see test_lesson03
         assert torch.equal(w["transformer.wpe.weight"], frozen_before)
 
 

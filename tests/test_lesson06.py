@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from graded_cells import assert_mutant_fails
-from sharded_training import (ADAMW, SIZES, TINY_GPT, assert_close, gpt_batches, gpt_loss, gpt_with_groups,
-                              gpt_with_groups_single_process, mlp_batches, mlp_loss, train, weights)
+from sharded_training import (ADAMW, SIZES, TINY_GPT, assert_close, gpt_batches, gpt_groups_noise, gpt_loss,
+                              gpt_with_groups, gpt_with_groups_single_process, mlp_batches, mlp_loss, train, weights)
 from zero_lab import CommLedger, launch
 from zero_lab.data import shard_batch
 from zero_lab.memory_ledger import TransferLedger, model_state_bytes
@@ -111,7 +111,7 @@ def test_dpu_is_the_delayed_algorithm(world_size, stage, warmup_steps):
 def test_param_groups_frozen_and_tied_parameters_with_dpu_warmup_beyond_the_run():
     expected, frozen_before = gpt_with_groups_single_process()
     results = launch(gpt_with_groups, 3, 2, bucket_numel=64, offload="cpu", dpu_warmup_steps=100, timeout=60)
-    assert_close([w for w, _, _ in results], expected, atol=1e-4, rtol=1e-4)  # atol: see test_lesson03
+    assert_close([w for w, _, _ in results], expected, noise=gpt_groups_noise())  # key biases within AdamW's drift
     for w, tied, _ in results:
         assert tied and torch.equal(w["transformer.wpe.weight"], frozen_before)
 

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import zero_lab
 from graded_cells import assert_mutant_fails
-from sharded_training import TINY_GPT, assert_close, gpt_batches, gpt_loss, train, weights
+from sharded_training import TINY_GPT, assert_close, gpt_batches, gpt_loss, key_bias_noise, train, weights
 from zero_lab import launch
 from zero_lab.data import shard_batch, token_batches
 from zero_lab.memory_ledger import model_state_bytes
@@ -81,9 +81,9 @@ def _distributed(name, options):
 @pytest.mark.parametrize("options", [dict(ranks_per_node=2, hpz=True), dict(ranks_per_node=2, replicate_across_nodes=True),
                                      dict(ranks_per_node=1, hpz=True)], ids=["hpz", "hsdp", "hpz-1-per-node"])
 def test_hpz_and_hsdp_match_single_process_adamw(model, options):
-    # 1e-4: Adam turns the last-bit differences of another summation order into ~2e-5 on near-zero
-    # weights after 10 steps; stage 3 itself (lesson 05) deviates the same (hpZ is bit for bit stage 3, below)
-    assert_close(launch(_distributed, 4, model, options, timeout=120), _single(model), atol=1e-4, rtol=1e-4)
+    # The GPT's key biases have a zero exact gradient, their rounding noise moves within AdamW's drift (key_bias_noise);
+    # the rest, as every weight of "tied", within assert_close's default (hpZ is bit for bit stage 3, below)
+    assert_close(launch(_distributed, 4, model, options, timeout=120), _single(model), noise=key_bias_noise(ADAMW["lr"]))
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sharded_training import (ADAMW, SIZES, TINY_GPT, assert_close, gpt_batches, gpt_loss, gpt_with_groups,
-                              gpt_with_groups_single_process, mlp_batches, mlp_loss, single_process, train, weights)
+from sharded_training import (ADAMW, SIZES, TINY_GPT, assert_close, gpt_batches, gpt_groups_noise, gpt_loss,
+                              gpt_with_groups, gpt_with_groups_single_process, mlp_batches, mlp_loss, single_process,
+                              train, weights)
 from zero_lab import RankFailed, launch
 from zero_lab.checkpoint import load_checkpoint, save_checkpoint
 from zero_lab.memory_ledger import model_state_bytes
@@ -28,7 +29,8 @@ def test_gpt_with_tied_frozen_and_grouped_parameters_trains_as_one_process(world
     expected, frozen_before = gpt_with_groups_single_process()
     results = launch(gpt_with_groups, world_size, 3, offload="nvme", nvme_dir=tmp_path, nvme_chunk_numel=37,
                      timeout=120)
-    assert_close([got for got, _, _ in results], expected, atol=1e-4, rtol=1e-4)  # atol: see test_lesson03
+    # The key biases' gradient is rounding noise: within AdamW's drift (gpt_groups_noise); the rest, assert_close's default.
+    assert_close([got for got, _, _ in results], expected, noise=gpt_groups_noise())
     in_memory = launch(gpt_with_groups, world_size, 3, timeout=120)
     for (got, _, _), (plain, _, _) in zip(results, in_memory):
         assert all(torch.equal(got[name], plain[name]) for name in plain), "not bit for bit stage 3 in memory"

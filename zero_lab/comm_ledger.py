@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from zero_lab import torch_versions
+from zero_lab import perturb_sums, torch_versions
 
 torch_versions.check(torch.__version__)
 torch_versions.bridge_collective_names()  # the collectives' current names, on an older torch too
@@ -182,10 +182,12 @@ class CountingProcessGroup(dist.ProcessGroup):
     # M = the tensor being reduced / broadcast.
     def allreduce(self, tensors, opts=c10d.AllreduceOptions()):
         _record("all_reduce", tensors, self.size(), group=self)
+        _perturb_sum(tensors, opts)
         return self._for(tensors).allreduce(tensors, opts)
 
     def allreduce_coalesced(self, tensors, opts=c10d.AllreduceCoalescedOptions()):
         _record("all_reduce", tensors, self.size(), group=self)
+        _perturb_sum(tensors, opts)
         return self._for(tensors).allreduce_coalesced(tensors, opts)
 
     def broadcast(self, tensors, opts=c10d.BroadcastOptions()):
@@ -194,6 +196,7 @@ class CountingProcessGroup(dist.ProcessGroup):
 
     def reduce(self, tensors, opts=c10d.ReduceOptions()):
         _record("reduce", tensors, self.size(), group=self)
+        _perturb_sum(tensors, opts)
         return self._for(tensors).reduce(tensors, opts)
 
     # M = the full (gathered / unscattered) size.
@@ -213,10 +216,12 @@ class CountingProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter(self, outputs, input_lists, opts=c10d.ReduceScatterOptions()):
         _record("reduce_scatter", _flat(input_lists), self.size(), group=self)
+        input_lists = [_perturb_sum(inputs, opts, in_place=False) for inputs in input_lists]
         return self._for(outputs).reduce_scatter(outputs, input_lists, opts)
 
     def reduce_scatter_single(self, output, input, opts=c10d.ReduceScatterOptions()):
         _record("reduce_scatter", [input], self.size(), group=self)
+        input, = _perturb_sum([input], opts, in_place=False)
         return self._for([input])._reduce_scatter_base(output, input, opts)
 
     _reduce_scatter_base = reduce_scatter_single
@@ -260,6 +265,15 @@ class CountingProcessGroup(dist.ProcessGroup):
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
         return self.inner.monitored_barrier(timeout, wait_all_ranks)
+
+
+_SUMS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM)
+
+
+def _perturb_sum(tensors, opts, in_place=True):
+    """Under ZERO_LAB_PERTURB_SUMS (zero_lab/perturb_sums.py): a sum's inputs moved an ulp each, as another order
+    would."""
+    return perturb_sums.before_sum(tensors, in_place) if any(opts.reduceOp == op for op in _SUMS) else tensors
 
 
 HOST_ONLY_TRANSPORTS = (dist.ProcessGroupGloo,)  # their send/recv take host tensors only

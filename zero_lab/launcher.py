@@ -65,7 +65,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.distributed_c10d as distributed_c10d  # noqa: E402
 import torch.utils._pytree  # noqa: E402
 
-from zero_lab import comm_ledger  # noqa: E402
+from zero_lab import comm_ledger, perturb_sums  # noqa: E402
 from zero_lab.hang_watch import HangWatch  # noqa: E402
 from zero_lab.rank_placement import DEVICE_VARIABLE, Placement  # noqa: E402
 
@@ -203,6 +203,7 @@ def _rank_main(fn, args, kwargs, rank, world_size, store_file, conn, stack_file,
     # One thread per rank: an OpenMP pool the parent already used cannot be reused after
     # fork (the first multi-threaded matmul would hang), and ranks share the cores anyway.
     torch.set_num_threads(1)
+    perturb_sums.install()  # under ZERO_LAB_PERTURB_SUMS: this rank rounds its sums as another CPU might
     if recorder is not None:  # (request pipe, dump folder): the recorder is on from the group's first collective
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
         threading.Thread(target=_dump_when_asked, args=(recorder[0], os.path.join(recorder[1], f"rank_{rank}")),

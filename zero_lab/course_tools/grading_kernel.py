@@ -49,6 +49,11 @@ def _install(shell, state: Path, student: str) -> None:
 
 if os.environ.get("ZERO_LAB_GRADE_STATE") and "get_ipython" in globals():
     _install(get_ipython(), Path(os.environ["ZERO_LAB_GRADE_STATE"]), Path.cwd().parent.name)  # noqa: F821
+if os.environ.get("ZERO_LAB_PERTURB_SUMS", "0").strip() not in ("", "0"):  # sums rounded as another CPU's (docs/troubleshooting.md)
+    from zero_lab import perturb_sums
+
+    perturb_sums.install()
+    del perturb_sums
 if os.environ.get("ZERO_LAB_COURSE_ROOT") and "get_ipython" in globals():
     from zero_lab.course_tools import grading_guard
 
