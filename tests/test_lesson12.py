@@ -311,7 +311,7 @@ def _canary_runs():
 
     def on_a_shard(model):
         optimizer = _NewtonSchulzOnAShard(model, torch.optim.Muon, adamw=canary.ADAMW, **canary.MUON)
-        return model, lambda micro_batches: canary.accumulate_and_step(model, [optimizer], micro_batches)
+        return model, lambda micro_batches: canary.accumulate_and_step(model, [optimizer], micro_batches), [optimizer]
 
     setups = [canary.Setup("stage 3, Muon", canary.prepared(3, torch.optim.Muon, adamw=canary.ADAMW, **canary.MUON),
                            canary.muon_and_adamw, canary.MUON_TOLERANCE),
