@@ -250,6 +250,18 @@ class OwnerMuon:
 MUON_SHARDINGS = {"gather": GatherMuon, "own": OwnerMuon}
 
 
+def muon_and_adamw_params(model, params=None) -> tuple[list, list]:
+    """split_params for an optimizer under ZeRO: refuses param groups (the split makes the groups) and a model
+    without a matrix for Muon."""
+    if params is not None and any(isinstance(p, dict) for p in params):
+        raise ValueError("Muon under ZeRO takes a list of tensors (it splits them into matrices and the rest "
+                         "itself), not param groups")
+    matrices, others = split_params(model, params)
+    if not matrices:
+        raise ValueError("no 2-D hidden weight to give Muon: use torch.optim.AdamW")
+    return matrices, others
+
+
 class MuonZero1(torch.optim.Optimizer):
     """ZeRO stage 1 with Muon for the hidden matrices and AdamW (lesson 03's Zero1Optimizer) for the rest.
 
@@ -273,12 +285,7 @@ class MuonZero1(torch.optim.Optimizer):
         if any(given.values()):
             raise TypeError(f"{sorted(k for k, v in given.items() if v)} are not built for Muon in this course "
                             "(lesson 12 trains in fp32, every parameter used, without clipping): leave them out")
-        if params is not None and any(isinstance(p, dict) for p in params):
-            raise ValueError("Muon under ZeRO takes a list of tensors (it splits them into matrices and the rest "
-                             "itself), not param groups")
-        matrices, others = split_params(model, params)
-        if not matrices:
-            raise ValueError("no 2-D hidden weight to give Muon: use torch.optim.AdamW")
+        matrices, others = muon_and_adamw_params(model, params)
         defaults = muon_defaults(**muon_options)
         super().__init__([{"params": matrices, **defaults}], defaults)
         self.model = model

@@ -25,8 +25,8 @@ from zero_lab.zero1 import ShardLayout
 from zero_lab.zero3 import Zero3Optimizer
 
 if __name__ != "__main__":  # in the package; in the notebook these names are your cells above
-    from zero_lab.muon import (apply_update_, assign_owners, momentum_direction_, muon_defaults, newton_schulz,
-                               split_params)
+    from zero_lab.muon import (apply_update_, assign_owners, momentum_direction_, muon_and_adamw_params,
+                               muon_defaults, newton_schulz)
 
 
 def ns_work(shape) -> int:
@@ -112,12 +112,7 @@ class MuonZero3(Zero3Optimizer):
         if not_built:
             raise TypeError(f"{not_built} are not built for Muon at stage 3 in this course (fp32, every rank, no "
                             "clipping, ZeRO++ or NVMe): leave them out")
-        if params is not None and any(isinstance(p, dict) for p in params):
-            raise ValueError("Muon under ZeRO takes a list of tensors (it splits them into matrices and the rest "
-                             "itself), not param groups")
-        matrices, others = split_params(model, params)
-        if not matrices:
-            raise ValueError("no 2-D hidden weight to give Muon: use torch.optim.AdamW")
+        matrices, others = muon_and_adamw_params(model, params)
         muon = muon_defaults(**{k: v for k, v in options.items() if k in MUON_OPTION_NAMES})
         groups = [{"params": matrices, **muon}] + ([{"params": others, **(adamw or {})}] if others else [])
         super().__init__(model, AdamWBesideMuon, groups, units=units, prefetch=prefetch,
