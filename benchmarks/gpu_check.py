@@ -65,6 +65,11 @@ BYTES_PADDING = 0.02
 def _train(options: dict | None) -> list[float]:
     """Train the MLP on this rank's shard of each global batch (options None: plain AdamW, one
     process, the whole batch); return its weights, flat."""
+    with tempfile.TemporaryDirectory(prefix="gpu-check-nvme-") as nvme_dir:  # removed even when a rank fails
+        return _train_in(options, nvme_dir)
+
+
+def _train_in(options: dict | None, nvme_dir: str) -> list[float]:
     device = zero_lab.rank_device()
     model = MLP(SIZES, seed=0)  # made on the CPU: the same weights whatever the device
     if options is None:
@@ -73,7 +78,7 @@ def _train(options: dict | None) -> list[float]:
     else:
         options = dict(options)
         if options.get("offload") == "nvme":
-            options["nvme_dir"] = tempfile.mkdtemp(prefix="gpu-check-nvme-")
+            options["nvme_dir"] = nvme_dir
         model, optimizer = zero_lab.prepare(model, torch.optim.AdamW, device=device, **{**ADAMW, **options})
     rank, world_size = (dist.get_rank(), dist.get_world_size())
     for x, y in regression_batches(STEPS, GLOBAL_BATCH, SIZES[0], SIZES[-1], seed=1):
