@@ -154,7 +154,7 @@ MUTANTS = {
         "return 4 * (width + scores + layer_norm_stats)", "return 4 * (width + 2 * scores + layer_norm_stats)",
         "calculator_saved"),
     "the causal mask forgotten": ("layer_norm_stats) + seq_len ** 2", "layer_norm_stats)", "calculator_saved"),
-    "2-byte activations, as in the paper": (
+    "2-byte activations, as in Korthikanti's count": (
         "return 4 * (width + scores + layer_norm_stats)", "return 2 * (width + scores + layer_norm_stats)",
         "calculator_saved"),
     "all-reduce with n steps": ('RING_STEPS[kind] * (world - 1)\n    return', 'RING_STEPS[kind] * world\n    return',
