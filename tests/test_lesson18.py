@@ -1,6 +1,7 @@
-"""Lesson 18, a training calculator: Narayanan's Table 1 and his 34 / 84 days, Korthikanti's 70 % / 65 % and Table 5's
-MFU, the scaling book's 2200 / 2475 tokens, and the course GPT's parameters, FLOPs and bytes saved for backward equal
-what PyTorch counts; typical wrong answers fail their graded cells. No assert here reads a clock."""
+"""Lesson 18, a training calculator: the Megatron-LM README's ten configurations (April 2021) and its MFU / HFU
+columns (May 2022), 34 / 84 days by 8TP/(nX), selective recomputation's 70 % / 65 %, the scaling book's 2200 / 2475
+tokens, the course GPT's parameters, FLOPs and bytes saved for backward equal to what PyTorch counts, and the cheapest
+recomputation that fits a budget; typical wrong answers fail their graded cells. No assert here reads a clock."""
 
 LESSON = "18_calculator"
 
@@ -11,30 +12,32 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from graded_cells import assert_mutant_fails, assert_reference_full_and_learner_zero
-from zero_lab.calculator import (activation_bytes, gpt_flops, gpt_parameters, gpt_saved_bytes, hardware_flops,
-                                 model_flops, training_days, transformer_parameters, utilisation)
+from zero_lab.calculator import (RECOMPUTE, activation_bytes, gpt_flops, gpt_parameters, gpt_saved_bytes,
+                                 hardware_flops, model_flops, recompute_plan, training_days, transformer_parameters,
+                                 utilisation)
 from zero_lab.comm_time import collective_seconds, critical_tokens, fit_alpha_beta, zero_step_seconds
 from zero_lab.models import GPT, GPTConfig
 
 
 def printed(value, digits):
-    """value at a paper's printed digit, rounded half up."""
+    """value at a source's printed digit, rounded half up."""
     return Decimal(repr(float(value))).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP)
 
 
-# Narayanan et al. 2021, Table 1: billions of parameters, hidden size, layers (V = 51,200, s = 2048)
+# The Megatron-LM README of April 2021 (images/cases_april2021.png, Narayanan et al.'s runs): billions of parameters,
+# hidden size, layers (V = 51,200, s = 2048)
 TABLE_1 = [(1.7, 2304, 24), (3.6, 3072, 30), (7.5, 4096, 36), (18.4, 6144, 40), (39.1, 8192, 48), (76.1, 10240, 60),
            (145.6, 12288, 80), (310.1, 16384, 96), (529.6, 20480, 105), (1008.0, 25600, 128)]
 
 
 @pytest.mark.parametrize("billions, hidden, layers", TABLE_1)
-def test_eq_2_gives_table_1_at_its_printed_digit(billions, hidden, layers):
+def test_the_parameter_count_gives_the_readmes_ten_configurations(billions, hidden, layers):
     assert printed(transformer_parameters(layers, hidden, 51200, 2048) / 1e9, 1) == Decimal(str(billions))
 
 
-def test_eq_4_gives_34_and_84_days():
-    assert printed(training_days(300e9, 175e9, 1024, 140e12), 0) == 34  # GPT-3
-    assert printed(training_days(450e9, 1008.0e9, 3072, 163e12), 0) == 84  # 1T, Table 1's 1008.0 billion
+def test_8tp_over_nx_gives_34_and_84_days():
+    assert printed(training_days(300e9, 175e9, 1024, 140e12), 0) == 34  # 175B, 300B tokens
+    assert printed(training_days(450e9, 1008.0e9, 3072, 163e12), 0) == 84  # the README's 1T: 3072 GPUs at 163 TFLOP/s
 
 
 @pytest.mark.parametrize("config, batch, seq_len", [
@@ -47,7 +50,7 @@ def test_the_course_gpt_parameters_and_flops_are_what_torch_counts(config, batch
     with FlopCounterMode(display=False) as counter:
         model(idx, idx)[1].backward()
     assert gpt_flops(config, batch, seq_len) == counter.get_total_flops()
-    # the layers' part is Korthikanti's Eq. 7 at the course GPT's shape (its V term counts the tied head)
+    # the same count as model_flops at the course GPT's shape (its V term counts the tied head)
     expected = model_flops(batch, config.n_layer, seq_len, config.n_embd, config.vocab_size)
     assert gpt_flops(config, batch, seq_len) == pytest.approx(expected, rel=1e-12)
 
@@ -84,7 +87,7 @@ def test_every_block_of_the_gpt_saves_what_the_formula_says(config, batch, seq_l
 
 
 def test_selective_recomputation_saves_70_and_65_percent():
-    for hidden, heads, percent in ((12288, 96, 70), (20480, 128, 65)):  # GPT-3, MT-NLG 530B
+    for hidden, heads, percent in ((12288, 96, 70), (20480, 128, 65)):  # GPT-3, the README's 530B with 128 heads
         for tp in (1, 8):
             full = activation_bytes(2048, 1, hidden, heads, tp=tp, sequence_parallel=True)
             kept = activation_bytes(2048, 1, hidden, heads, tp=tp, sequence_parallel=True, recompute="selective")
@@ -92,13 +95,28 @@ def test_selective_recomputation_saves_70_and_65_percent():
     assert activation_bytes(2048, 1, 12288, 96) == 2048 * 12288 * (34 + 80)
 
 
-@pytest.mark.parametrize("batch, layers, hidden, gpus, seconds, mfu, hfu", [
-    (64, 96, 12288, 64, 13.75, 51.4, 52.8), (280, 105, 20480, 280, 37.83, 56.0, 57.0),
-    (512, 128, 25600, 512, 71.49, 56.3, 57.0)])
-def test_table_5_mfu_and_hfu_at_its_printed_digit(batch, layers, hidden, gpus, seconds, mfu, hfu):
-    got_mfu = utilisation(model_flops(batch, layers, 2048, hidden, 51200), seconds, gpus, 312e12)
-    got_hfu = utilisation(hardware_flops(batch, layers, 2048, hidden, 51200, "selective"), seconds, gpus, 312e12)
-    assert (printed(100 * got_mfu, 1), printed(100 * got_hfu, 1)) == (Decimal(str(mfu)), Decimal(str(hfu)))
+@pytest.mark.parametrize("layers, hidden, mfu, hfu", [(96, 12288, 51.4, 52.8), (105, 20480, 56.0, 57.0),
+                                                    (128, 25600, 56.3, 57.0)])
+def test_the_readmes_hfu_over_mfu_is_selective_recomputations_flops(layers, hidden, mfu, hfu):
+    # HFU / MFU of one run is its hardware over its model FLOPs; two figures printed to 0.1 % bound it
+    low, high = (hfu - 0.05) / (mfu + 0.05), (hfu + 0.05) / (mfu - 0.05)
+    ratio = {form: hardware_flops(1, layers, 2048, hidden, 51200, form) / model_flops(1, layers, 2048, hidden, 51200)
+             for form in RECOMPUTE}
+    assert [form for form in RECOMPUTE if low <= ratio[form] <= high] == ["selective"]
+    assert utilisation(3e12, 2.0, 4, 1e12) == 0.375
+
+
+def test_the_cheapest_recomputation_that_fits():
+    gpt3 = dict(seq_len=2048, batch=1, hidden=12288, heads=96, tp=8, sequence_parallel=True)  # the worked example
+    assert recompute_plan(40e9, 96, **gpt3) == ({"none": 96, "selective": 0, "full": 0}, 0)
+    counts, flops = recompute_plan(20e9, 96, **gpt3)
+    assert counts == {"none": 38, "selective": 58, "full": 0} and flops == pytest.approx(58 * 12 * 2048 ** 2 * 12288)
+    counts, flops = recompute_plan(8e9, 96, **gpt3)
+    full_layer = 24 * 2048 * 12288 ** 2 * (1 + 2048 / (6 * 12288))  # a layer's forward again
+    assert counts == {"none": 0, "selective": 73, "full": 23}
+    assert flops == pytest.approx(73 * 12 * 2048 ** 2 * 12288 + 23 * full_layer)
+    with pytest.raises(ValueError):
+        recompute_plan(0.5e9, 96, **gpt3)  # 96 inputs of 6.3 MB
 
 
 def test_the_scaling_books_critical_tokens():
@@ -116,10 +134,10 @@ def test_alpha_beta_fit_recovers_the_model_and_prices_the_zero_stages():
 
 
 MUTANTS = {
-    "Eq. 2 without the embeddings": (
+    "parameters without the embeddings": (
         "(1 + 13 / (12 * hidden) + (vocab + seq_len) / (12 * layers * hidden))", "(1 + 13 / (12 * hidden))",
         "calculator_days"),
-    "6 FLOPs per parameter and token instead of Eq. 4's 8": (
+    "6 FLOPs per parameter and token instead of 8 (recomputation forgotten)": (
         "return 8 * tokens * parameters", "return 6 * tokens * parameters", "calculator_days"),
     "days of 3600 s": ("/ (gpus * flops_per_gpu) / SECONDS_PER_DAY", "/ (gpus * flops_per_gpu) / 3600", "calculator_days"),
     "the tied head counted twice": (
@@ -136,7 +154,7 @@ MUTANTS = {
         "return 4 * (width + scores + layer_norm_stats)", "return 4 * (width + 2 * scores + layer_norm_stats)",
         "calculator_saved"),
     "the causal mask forgotten": ("layer_norm_stats) + seq_len ** 2", "layer_norm_stats)", "calculator_saved"),
-    "2-byte activations, as in the paper": (
+    "2-byte activations, as in Korthikanti's count": (
         "return 4 * (width + scores + layer_norm_stats)", "return 2 * (width + scores + layer_norm_stats)",
         "calculator_saved"),
     "all-reduce with n steps": ('RING_STEPS[kind] * (world - 1)\n    return', 'RING_STEPS[kind] * world\n    return',
@@ -152,7 +170,7 @@ MUTANTS = {
         "ring = 1 if world is None else (world - 1) / world", "ring = 1", "comm_time_critical"),
     "MoE factor inverted": ("* (experts / active) *", "* (active / experts) *", "comm_time_critical"),
     "critical tokens twice too many (backward 2 FLOPs)": ("* ring / 4 *", "* ring / 2 *", "comm_time_critical"),
-    "Eq. 7 without the attention term": ("(1 + seq_len / (6 * hidden) + vocab / (12 * hidden * layers))",
+    "model FLOPs without the attention term": ("(1 + seq_len / (6 * hidden) + vocab / (12 * hidden * layers))",
                                          "(1 + vocab / (12 * hidden * layers))", "calculator_mfu"),
     "selective recomputation costs nothing": ("72 * layer_part * (1 + seq_len / (3 * hidden))",
                                               "72 * layer_part * (1 + seq_len / (6 * hidden))", "calculator_mfu"),
@@ -160,6 +178,19 @@ MUTANTS = {
         "96 * layer_part * (1 + seq_len / (6 * hidden)) + logits", "96 * layer_part * (1 + seq_len / (6 * hidden)) + 4 / 3 * logits",
         "calculator_mfu"),
     "utilisation of one GPU": ("return flops / (seconds * gpus * peak)", "return flops / (seconds * peak)", "calculator_mfu"),
+    "one selective layer too few (floor, not ceil)": (
+        "selective = max(0, math.ceil(over", "selective = max(0, math.floor(over", "calculator_recompute"),
+    "the bytes of one tensor-parallel rank forgotten": (
+        "activation_bytes(seq_len, batch, hidden, heads, tp, sequence_parallel, form)",
+        "activation_bytes(seq_len, batch, hidden, heads, 1, sequence_parallel, form)", "calculator_recompute"),
+    "every recomputation priced as a whole layer's": (
+        "hardware_flops(batch, 1, seq_len, hidden, 0, form) - model_flops",
+        'hardware_flops(batch, 1, seq_len, hidden, 0, "full" if form != "none" else form) - model_flops',
+        "calculator_recompute"),
+    "nothing fits: every layer recomputed in full instead of refused": (
+        "    if best is None:\n        raise ValueError(",
+        '    if best is None:\n        return {"none": 0, "selective": 0, "full": layers}, layers * added["full"]\n'
+        "        raise ValueError(", "calculator_recompute"),
 }
 
 
@@ -169,4 +200,4 @@ def test_typical_mistakes_fail_their_graded_cell(mutant):
 
 
 def test_hidden_tests_are_worth_points(graded):
-    assert_reference_full_and_learner_zero(graded, LESSON, 15)
+    assert_reference_full_and_learner_zero(graded, LESSON, 18)

@@ -2,29 +2,32 @@
 
 '''A training calculator (lesson 18): parameters, FLOPs, activation bytes, utilisation and days from a model's shape.
 
-transformer_parameters  Narayanan et al. 2021, Eq. 2: a GPT's parameters from layers, width, vocabulary, sequence
-training_days           Narayanan et al. 2021, Eq. 4: 8TP/(nX) seconds, in days
+transformer_parameters  a GPT's parameters from layers, width, vocabulary, sequence (Narayanan et al. 2021's models)
+training_days           8TP/(nX) seconds, in days: 8 FLOPs per parameter and token, recomputation included
 gpt_parameters          the course GPT's parameters from its GPTConfig (what num_params() counts)
 gpt_flops               the course GPT's matmul FLOPs of one forward and backward (what FlopCounterMode counts)
-activation_bytes        Korthikanti et al. 2022: activation bytes per layer, tensor/sequence parallel, recomputation
+activation_bytes        activation bytes per layer (Korthikanti et al. 2022), tensor/sequence parallel, recomputation
 gpt_saved_bytes         the bytes one course GPT block saves for backward (fp32, no dropout)
-model_flops             Korthikanti et al. 2022, Eq. 7: the FLOPs of one iteration the model needs
+model_flops             the FLOPs of one iteration the model needs: 72BLsh^2 (1 + s / (6h) + V / (12hL))
 hardware_flops          the FLOPs the hardware runs: model FLOPs plus what recomputation repeats
 utilisation             FLOPs per second over the peak of all GPUs (MFU from model FLOPs, HFU from hardware FLOPs)
+recompute_plan          which layers keep their activations whole, selective or full: a budget, the fewest FLOPs
 '''
 
 from __future__ import annotations
+
+import math
 
 SECONDS_PER_DAY = 86_400
 
 
 def transformer_parameters(layers: int, hidden: int, vocab: int, seq_len: int) -> float:
-    '''Narayanan et al. Eq. 2: 12 l h^2 (1 + 13 / (12 h) + (V + s) / (12 l h)).'''
+    '''12 l h^2 (1 + 13 / (12 h) + (V + s) / (12 l h)): weights, biases and LayerNorms, embeddings.'''
     return 12 * layers * hidden ** 2 * (1 + 13 / (12 * hidden) + (vocab + seq_len) / (12 * layers * hidden))
 
 
 def training_days(tokens: float, parameters: float, gpus: int, flops_per_gpu: float) -> float:
-    '''Narayanan et al. Eq. 4: 8 T P / (n X) seconds, in days.'''
+    '''8 T P / (n X) seconds, in days.'''
     return 8 * tokens * parameters / (gpus * flops_per_gpu) / SECONDS_PER_DAY
 
 
@@ -69,7 +72,7 @@ def gpt_saved_bytes(config, batch: int, seq_len: int) -> int:
 
 
 def model_flops(batch: int, layers: int, seq_len: int, hidden: int, vocab: int) -> float:
-    '''Korthikanti et al. Eq. 7: 72 B L s h^2 (1 + s / (6 h) + V / (12 h L)).'''
+    '''72 B L s h^2 (1 + s / (6 h) + V / (12 h L)): forward and backward of the layers and the logits.'''
     return 72 * batch * layers * seq_len * hidden ** 2 * (1 + seq_len / (6 * hidden) + vocab / (12 * hidden * layers))
 
 
@@ -89,3 +92,26 @@ def hardware_flops(batch: int, layers: int, seq_len: int, hidden: int, vocab: in
 def utilisation(flops: float, seconds: float, gpus: int, peak: float) -> float:
     '''flops run in `seconds` on `gpus` GPUs of `peak` FLOP/s each, as a fraction of what they could run.'''
     return flops / (seconds * gpus * peak)
+
+
+RECOMPUTE = ("none", "selective", "full")  # the forms a layer's activations can take (exercise 3)
+
+
+def recompute_plan(budget: float, layers: int, seq_len: int, batch: int, hidden: int, heads: int, tp: int = 1,
+                   sequence_parallel: bool = False) -> tuple[dict, float]:
+    '''How many of `layers` layers keep each form in RECOMPUTE so that their activation bytes fit `budget` with the
+    fewest recomputed FLOPs (HFU's count); ({form: layers}, added FLOPs). ValueError if nothing fits.'''
+    kept = {form: activation_bytes(seq_len, batch, hidden, heads, tp, sequence_parallel, form) for form in RECOMPUTE}
+    added = {form: hardware_flops(batch, 1, seq_len, hidden, 0, form) - model_flops(batch, 1, seq_len, hidden, 0)
+             for form in RECOMPUTE}
+    best = None
+    for full in range(layers + 1):
+        over = (layers - full) * kept["none"] + full * kept["full"] - budget  # what selective layers must free
+        selective = max(0, math.ceil(over / (kept["none"] - kept["selective"])))
+        flops = selective * added["selective"] + full * added["full"]
+        if selective <= layers - full and (best is None or flops < best[1]):
+            best = ({"none": layers - full - selective, "selective": selective, "full": full}, flops)
+    if best is None:
+        raise ValueError(f"{layers} layers keep {layers * kept['full']:,.0f} bytes even when all are recomputed in "
+                         f"full: more than the budget of {budget:,.0f}")
+    return best
