@@ -15,7 +15,8 @@ from zero_lab.canary import update_error
 from zero_lab.models import GPTConfig
 from zero_lab.moe_dispatch import moe_balance_loss, moe_gpt
 from zero_lab.moe_router import route
-from zero_lab.moe_zero import make_expert_groups, moe_block_units, moe_param_groups
+from zero_lab.moe_scale import count_moe_states, deepseek_v3_parameters
+from zero_lab.moe_zero import make_expert_groups, moe_block_units, moe_param_groups, moe_state_bytes
 
 CONFIG = GPTConfig(vocab_size=16, n_layer=2, n_head=2, n_embd=8, block_size=4)
 
@@ -76,6 +77,14 @@ def test_moe_gpt_over_expert_parallel_ranks_equals_one_process(world):
             assert torch.equal(value, want[name][0]), name
             expected = expert_sums[name] if ".experts." in name else want[name][1]  # an expert: every rank's tokens
             assert torch.allclose(grad, expected, rtol=0, atol=1e-12), (rank, name)
+
+
+def test_deepseek_v3_sized_states_in_the_fake_world_equal_the_formula():
+    dense, routed = deepseek_v3_parameters()
+    assert (dense + routed) // 10**9 == 671 and routed // 10**9 == 653  # the model card's 671B total, from the shapes
+    world, ep = 40, 8  # both groups padded: dense % 40 == 24, (routed / 8) % 5 == 2
+    for (stage, rank), counted in count_moe_states(world, ep).items():
+        assert counted == moe_state_bytes(dense, routed, world, ep, stage, 12), (stage, rank)
 
 
 def bare_hang():
