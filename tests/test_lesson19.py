@@ -14,8 +14,9 @@ from graded_cells import assert_mutant_fails, assert_reference_full_and_learner_
 from zero_lab.canary import update_error
 from zero_lab.models import GPTConfig
 from zero_lab.moe_dispatch import moe_balance_loss, moe_gpt
-from zero_lab.moe_router import route
-from zero_lab.moe_zero import make_expert_groups, moe_block_units, moe_param_groups
+from zero_lab.moe_router import expert_loads, route
+from zero_lab.moe_scale import count_moe_states, deepseek_v3_parameters
+from zero_lab.moe_zero import make_expert_groups, moe_block_units, moe_param_groups, moe_state_bytes
 
 CONFIG = GPTConfig(vocab_size=16, n_layer=2, n_head=2, n_embd=8, block_size=4)
 
@@ -44,38 +45,64 @@ def named(model, grads=True):
     return out
 
 
-def expert_parallel_gpt(experts, capacity_factor):
-    model = moe_gpt(CONFIG, experts, 2, capacity_factor, dist.group.WORLD, seed=3).double()
-    _, loss = model(*tokens(dist.get_rank()))
-    (loss + 0.01 * moe_balance_loss(model)).backward()
-    return loss.item(), named(model)
+EP_SIZES, RANKS = (2, 3, 4), 4
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_moe_gpt_over_expert_parallel_ranks_equals_one_process(world):
-    experts = 2 * world
-    got = zero_lab.launch(expert_parallel_gpt, world, experts, 0.75, timeout=60)
-    one = moe_gpt(CONFIG, experts, 2, 0.75, None, seed=3).double()
-    per_rank, expert_sums, dropped = [], {}, 0
-    for rank in range(world):  # each rank's batch apart: its own routing and capacity, its own loss
-        one.zero_grad(set_to_none=True)
-        _, loss = one(*tokens(rank))
-        (loss + 0.01 * moe_balance_loss(one)).backward()
-        dropped += sum((~m.routing.kept).sum().item() for m in one.modules() if hasattr(m, "routing"))
-        want = named(one)
-        per_rank.append((loss.item(), want))
-        for name, (_, grad) in want.items():
-            if ".experts." in name:
-                expert_sums[name] = expert_sums.get(name, 0) + grad
-    assert dropped > 0, "capacity 0.75 must drop assignments, or the check does not cover drops"
-    for rank, (loss, params) in enumerate(got):
-        want_loss, want = per_rank[rank]
-        # float64, sums in another order: differences far under 1e-12
-        assert abs(loss - want_loss) < 1e-12, (rank, loss, want_loss)
-        for name, (value, grad) in params.items():
-            assert torch.equal(value, want[name][0]), name
-            expected = expert_sums[name] if ".experts." in name else want[name][1]  # an expert: every rank's tokens
-            assert torch.allclose(grad, expected, rtol=0, atol=1e-12), (rank, name)
+def ep_blocks(size):
+    """The world's ranks in consecutive expert-parallel groups of `size` (size 3 of 4: [0, 1, 2] and [3])."""
+    return [list(range(start, min(start + size, RANKS))) for start in range(0, RANKS, size)]
+
+
+def expert_parallel_gpt(capacity_factor):
+    """One launch for every expert-parallel size: per size, this rank's loss and parameters with their gradients."""
+    results = {}
+    for size in EP_SIZES:
+        groups = {tuple(block): dist.new_group(block) for block in ep_blocks(size)}  # collective: every rank, in order
+        group = next(g for block, g in groups.items() if dist.get_rank() in block)
+        model = moe_gpt(CONFIG, 2 * size, 2, capacity_factor, group, seed=3).double()
+        _, loss = model(*tokens(dist.get_rank()))
+        (loss + 0.01 * moe_balance_loss(model)).backward()
+        results[size] = loss.item(), named(model)
+    return results
+
+
+def test_moe_gpt_over_expert_parallel_ranks_equals_one_process():
+    got = zero_lab.launch(expert_parallel_gpt, RANKS, 0.75, timeout=60)
+    for size in EP_SIZES:
+        one = moe_gpt(CONFIG, 2 * size, 2, 0.75, None, seed=3).double()
+        per_rank, dropped, idle = [], 0, 0
+        for rank in range(RANKS):  # each rank's batch apart: its own routing and capacity, its own loss
+            one.zero_grad(set_to_none=True)
+            _, loss = one(*tokens(rank))
+            (loss + 0.01 * moe_balance_loss(one)).backward()
+            routings = [m.routing for m in one.modules() if hasattr(m, "routing")]
+            dropped += sum((~r.kept).sum().item() for r in routings)
+            idle += sum((expert_loads(r) == 0).sum().item() for r in routings)  # experts this rank sends nothing
+            per_rank.append((loss.item(), named(one)))
+        assert dropped > 0 and idle > 0, "the check must cover dropped assignments and experts without tokens"
+        for block in ep_blocks(size):
+            expert_sums = {}  # an expert's gradient holds every token its expert-parallel group sent it
+            for rank in block:
+                for name, (_, grad) in per_rank[rank][1].items():
+                    if ".experts." in name:
+                        expert_sums[name] = expert_sums.get(name, 0) + grad
+            for rank in block:
+                loss, params = got[rank][size]
+                want_loss, want = per_rank[rank]
+                # float64, sums in another order: differences far under 1e-12
+                assert abs(loss - want_loss) < 1e-12, (size, rank, loss, want_loss)
+                for name, (value, grad) in params.items():
+                    assert torch.equal(value, want[name][0]), (size, name)
+                    expected = expert_sums[name] if ".experts." in name else want[name][1]
+                    assert torch.allclose(grad, expected, rtol=0, atol=1e-12), (size, rank, name)
+
+
+def test_deepseek_v3_sized_states_in_the_fake_world_equal_the_formula():
+    dense, routed = deepseek_v3_parameters()
+    assert (dense + routed) // 10**9 == 671 and routed // 10**9 == 653  # the model card's 671B total, from the shapes
+    world, ep = 40, 8  # both groups padded: dense % 40 == 24, (routed / 8) % 5 == 2
+    for (stage, rank), counted in count_moe_states(world, ep).items():
+        assert counted == moe_state_bytes(dense, routed, world, ep, stage, 12), (stage, rank)
 
 
 def bare_hang():
@@ -87,7 +114,7 @@ def bare_hang():
 
 def test_the_bare_expert_all_gathers_hang_and_the_launcher_names_it():
     with pytest.raises(zero_lab.RanksHung) as hung:
-        zero_lab.launch(bare_hang, 2, timeout=5)
+        zero_lab.launch(bare_hang, 2, timeout=2)
     assert "rank 0" in str(hung.value)
 
 
