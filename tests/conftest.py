@@ -88,18 +88,22 @@ def pytest_sessionfinish(session):
     config = session.config
     if hasattr(config, "grader"):
         config.grader.pool.shutdown(cancel_futures=True)  # waits for a grading under way
-    left = sorted(os.listdir(config.temporary_folder))
-    if left:
-        shown = ", ".join(os.path.join(config.temporary_folder, name) for name in left[:20])
-        more = f" and {len(left) - 20} more" if len(left) > 20 else ""
-        line = f"temporary files left behind ({len(left)}), a leak to fix: {shown}{more}"
-        reporter = config.pluginmanager.get_plugin("terminalreporter")
-        if reporter:
-            reporter.write_line(line, red=True, bold=True)
-        else:
-            print(line, file=sys.stderr)
-        if session.exitstatus == pytest.ExitCode.OK:
-            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    config.leftovers = sorted(os.listdir(config.temporary_folder))
+    if config.leftovers and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if config.leftovers and not config.pluginmanager.has_plugin("terminalreporter"):
+        print(leftovers_line(config), file=sys.stderr)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if getattr(config, "leftovers", None):
+        terminalreporter.write_line(leftovers_line(config), red=True, bold=True)
+
+
+def leftovers_line(config) -> str:
+    left = [os.path.join(config.temporary_folder, name) for name in config.leftovers]
+    more = f" and {len(left) - 20} more" if len(left) > 20 else ""
+    return f"temporary files left behind ({len(left)}), a leak to fix: {', '.join(left[:20])}{more}"
 
 
 def pytest_collection_modifyitems(items):
