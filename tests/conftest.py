@@ -7,6 +7,9 @@
 Both editions of a lesson are graded in one nbgrader run (one gradebook, two students), two
 lessons at a time in the background: the lessons the selected tests name (a `lesson`
 parameter) start right after collection, while other tests run.
+
+Every temporary file of a run (the tests', their ranks', nbgrader's and its kernels') goes to one fresh
+folder, the run's TMPDIR: anything still in it when the run ends fails the run, by name.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from zero_lab import perturb_sums
 from zero_lab.course_tools import build, grading
@@ -63,6 +68,42 @@ NUMERICS = re.compile(r"one_process|single_process|matches|bit_for_bit|identical
 def pytest_configure(config):
     perturb_sums.install()  # under ZERO_LAB_PERTURB_SUMS: this process's sums round as another CPU's might
     config.addinivalue_line("markers", "numerics: compares floats that another CPU's math kernels may round otherwise")
+    use_own_temporary_folder(config)
+
+
+def use_own_temporary_folder(config):
+    """The run's temporary files go to a fresh folder: tempfile's default here, TMPDIR for every process the
+    run starts (ranks, nbgrader, kernels). What is kept between runs stays where it is: pytest's tmp_path
+    folders (the last three runs') and torch's compile cache (made when torch._dynamo is imported)."""
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    config.temporary_folder = tempfile.mkdtemp(prefix="zero-lab-tests-")
+    config.outer_temporary = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = config.temporary_folder
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+    """What the run left in its temporary folder fails it, once every test and grading has ended."""
+    config = session.config
+    if hasattr(config, "grader"):
+        config.grader.pool.shutdown(cancel_futures=True)  # waits for a grading under way
+    config.leftovers = sorted(os.listdir(config.temporary_folder))
+    if config.leftovers and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if config.leftovers and not config.pluginmanager.has_plugin("terminalreporter"):
+        print(leftovers_line(config), file=sys.stderr)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if getattr(config, "leftovers", None):
+        terminalreporter.write_line(leftovers_line(config), red=True, bold=True)
+
+
+def leftovers_line(config) -> str:
+    left = [os.path.join(config.temporary_folder, name) for name in config.leftovers]
+    more = f" and {len(left) - 20} more" if len(left) > 20 else ""
+    return f"temporary files left behind ({len(left)}), a leak to fix: {', '.join(left[:20])}{more}"
 
 
 def pytest_collection_modifyitems(items):
@@ -88,6 +129,13 @@ def pytest_collection_finish(session):
 def pytest_unconfigure(config):
     if hasattr(config, "grader"):
         config.grader.pool.shutdown(cancel_futures=True)
+    if hasattr(config, "temporary_folder"):
+        shutil.rmtree(config.temporary_folder, ignore_errors=True)
+        tmpdir, tempfile.tempdir = config.outer_temporary
+        if tmpdir is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = tmpdir
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ ledger naming the three that lose a micro-batch or a gradient; typical wrong ans
 LESSON = "15_flight_recorder"
 
 import os
-import shutil
+import tempfile
 
 import pytest
 import torch
@@ -20,15 +20,13 @@ from zero_lab.flight_recorder import Call, calls_of, fake_dump, first_mismatch, 
 def recorded_hang(fn, world_size, *args, buffer_size=None):
     if buffer_size:  # the launcher sets TORCH_FR_BUFFER_SIZE only where it is unset
         os.environ["TORCH_FR_BUFFER_SIZE"] = str(buffer_size)
-    try:
-        with pytest.raises(RanksHung) as info:
-            launch(fn, world_size, *args, timeout=2, flight_recorder=True)
-    finally:
-        os.environ.pop("TORCH_FR_BUFFER_SIZE", None)
-    try:
-        return load_dumps(info.value.dumps)
-    finally:
-        shutil.rmtree(info.value.dumps)
+    with tempfile.TemporaryDirectory() as folder:  # removed also when a rank fails instead of hanging
+        try:
+            with pytest.raises(RanksHung):
+                launch(fn, world_size, *args, timeout=2, flight_recorder=folder)
+        finally:
+            os.environ.pop("TORCH_FR_BUFFER_SIZE", None)
+        return load_dumps(folder)
 
 
 def _barrier_first_on_last_rank():

@@ -134,7 +134,9 @@ def test_learner_edition_runs_to_the_end_with_one_line_per_unfinished_exercise(b
     # Unix sockets: a TCP port the kernel was handed can be taken by a grading run's ranks first (sandbox.py).
     kernel = KernelManager(kernel_name="python3", transport="ipc", ip=str(tmp_path / "kernel"))
     # nbclient, like JupyterLab's Run All, goes on past an error only in cells tagged raises-exception.
-    NotebookClient(nb, km=kernel, timeout=120, resources={"metadata": {"path": str(built_repo / "course" / LESSON)}}).execute()
+    # cleanup_kc: a kernel handed in (km=) would outlive execute(), and its connection file in TMPDIR with it
+    NotebookClient(nb, km=kernel, timeout=120, resources={"metadata": {"path": str(built_repo / "course" / LESSON)}}
+                   ).execute(cleanup_kc=True)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert all(c.execution_count for c in code)
     errors = ["".join(o.traceback) for c in code for o in c.outputs if o.output_type == "error"]

@@ -160,16 +160,25 @@ def find_lessons(repo: Path, names: list[str] | None = None) -> list[str]:
     return lessons
 
 
-def run_nbgrader(course_root: Path, *args: str, timeout: float | None = None) -> None:
-    """Run an nbgrader command in a course folder; raise BuildError with its log on failure."""
-    env = dict(os.environ)
+def nbgrader_env(course_root: Path, **extra: str) -> dict[str, str]:
+    """The environment of nbgrader in a throwaway course folder, `extra` added. Its temporary files (the
+    alembic.ini folders of the gradebook, its kernels' sockets) go inside the course: removed with it, also
+    when nbgrader is killed before it could remove them."""
+    tmp = course_root / ".tmp"
+    tmp.mkdir(exist_ok=True)
+    env = dict(os.environ, TMPDIR=str(tmp), **extra)
     # nbgrader calls the `alembic` script of its own environment.
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
+def run_nbgrader(course_root: Path, *args: str, timeout: float | None = None) -> None:
+    """Run an nbgrader command in a throwaway course folder; raise BuildError with its log on failure."""
     try:
         # On timeout nbgrader is killed; its kernel notices its parent is gone and exits, and
         # the kernel's ranks die with the kernel.
         result = subprocess.run(
-            [sys.executable, "-m", "nbgrader", *args], cwd=course_root, env=env,
+            [sys.executable, "-m", "nbgrader", *args], cwd=course_root, env=nbgrader_env(course_root),
             capture_output=True, text=True, timeout=timeout,
         )
     except subprocess.TimeoutExpired:

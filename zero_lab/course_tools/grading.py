@@ -15,7 +15,6 @@ type and message, never the hidden code).
 
 from __future__ import annotations
 
-import os
 import re
 import secrets
 import shutil
@@ -227,8 +226,7 @@ def autograde(root: Path, lesson: str, students: list[str], state: Path, cells: 
     """Run `nbgrader autograde` for these students; return {student: source of the cell that
     killed the kernel} for those whose kernel died."""
     # Earlier lessons' modules are the reference: a lesson is graded on its own exercises.
-    env = dict(os.environ, ZERO_LAB_GRADE_STATE=str(state), ZERO_LAB_IMPL="reference")
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env = build.nbgrader_env(root, ZERO_LAB_GRADE_STATE=str(state), ZERO_LAB_IMPL="reference")
     args = ["autograde", lesson, "--force", *(["--student", students[0]] if len(students) == 1 else [])]
     log = root / "autograde.log"
     started, shown = time.monotonic(), None

@@ -28,6 +28,8 @@ import signal
 import tempfile
 from pathlib import Path
 
+from zero_lab.course_tools import kernel_sockets
+
 SCRATCH_PREFIX = ".autograde-scratch-"
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -41,7 +43,7 @@ def confine(course_root: str | Path) -> None:
     startup.mkdir(parents=True)
     tmp.mkdir()
     # A Unix socket's path has at most 104 bytes (macOS), so the kernels' sockets get a short folder.
-    runtime = tempfile.mkdtemp(prefix="zl-", dir="/tmp") if os.name == "posix" else str(scratch / "runtime")
+    runtime = kernel_sockets.short_folder() if os.name == "posix" else str(scratch / "runtime")
     shutil.copy(Path(__file__).with_name("grading_kernel.py"), startup / "00-zero-lab-grading.py")
     os.environ.update(HOME=str(home), TMPDIR=str(tmp), IPYTHONDIR=str(home / ".ipython"), ZERO_LAB_CONFINED="1",
                       JUPYTER_RUNTIME_DIR=runtime,
