@@ -24,7 +24,7 @@ def assert_mutant_fails(lesson: str, old: str, new: str, test_id: str) -> None:
             continue
         if source.startswith("#| test "):
             if source.split()[2] != test_id:
-                _define_helpers(source, namespace)
+                define_helpers(source, namespace)
                 continue
             with pytest.raises((AssertionError, ValueError, RuntimeError, zero_lab.RankFailed, zero_lab.RanksHung)):
                 exec(compile(source, test_id, "exec"), namespace)
@@ -35,7 +35,7 @@ def assert_mutant_fails(lesson: str, old: str, new: str, test_id: str) -> None:
     assert applied, f"the mutant {new.strip()!r} no longer applies to the notebook"
 
 
-def _define_helpers(source: str, namespace: dict) -> None:
+def define_helpers(source: str, namespace: dict) -> None:
     tree = ast.parse(source)
     tree.body = [node for node in tree.body if _is_helper(node)]
     exec(compile(tree, "test helpers", "exec"), namespace)
@@ -73,7 +73,7 @@ def graded_cell_with(lesson: str, test_id: str, old: str, new: str) -> tuple[dic
         if source.startswith("#| export"):
             exec(source.replace(old, new), namespace)
         elif source.startswith("#| test"):  # helpers other cells share, without running their checks
-            _define_helpers(source, namespace)
+            define_helpers(source, namespace)
     return namespace, next(s for s in cells if s.startswith(f"#| test {test_id} "))
 
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zero_lab
+from graded_cells import define_helpers
 from zero_lab import launch
 from zero_lab.course_tools import questions
 from zero_lab.course_tools.implementation import REPO
@@ -248,14 +249,19 @@ def test_offloaded_step_keeps_its_state_with_the_masters_and_matches_adamw():
 # The notebook's own repros fail as its prose says (definitions run, demo cells not).
 
 def _notebook_namespace(old=None, new=None):
-    """The notebook's definitions (every code cell but tests, demos and interview cells), optionally one change made."""
+    """The notebook's definitions, optionally one change made: every untagged code cell but tests, and the
+    definitions of its demo cells (grading skips those, but the repros they define are tested here)."""
     cells = [c for c in nbformat.read(NOTEBOOK, as_version=4).cells if c.cell_type == "code"]
-    definitions = [c.source for c in cells if not c.metadata.get("tags") and not c.source.startswith("#| test")]
+    definitions = [c for c in cells if c.metadata.get("tags", []) in ([], ["demo"]) and not c.source.startswith("#| test")]
     if old is not None:
-        assert sum(s.count(old) for s in definitions) == 1, "a mutant replaces one solution"
+        assert sum(c.source.count(old) for c in definitions) == 1, "a mutant replaces one solution"
     namespace = {}
-    for source in definitions:
-        exec(source if old is None else source.replace(old, new), namespace)
+    for cell in definitions:
+        source = cell.source if old is None else cell.source.replace(old, new)
+        if cell.metadata.get("tags"):
+            define_helpers(source, namespace)
+        else:
+            exec(source, namespace)
     return namespace, {c.source.split()[2]: c.source for c in cells if c.source.startswith("#| test")}
 
 
