@@ -450,7 +450,7 @@ def test_the_cost_model_terms_follow_their_formulas():
 def test_days_and_mfu_follow_the_step_time():
     from zero_lab.planner import Plan, Transformer, model_flops_utilization, plan, training_days
     model = Transformer(**GPT3)
-    # Narayanan et al. 2021, Eq. 4: GPT-3 175B on 300B tokens, 1024 GPUs at 140 TFLOP/s each, about 34 days
+    # 8TP/(nX): GPT-3 175B on 300B tokens, 1024 GPUs at 140 TFLOP/s each, about 34 days
     tokens = 8 * 192 * 1 * 2048  # dp * M * micro-batch * sequence
     step = 8 * 175e9 * tokens / (1024 * 140e12)  # the step that X = 140 TFLOP/s per GPU gives
     paper = Plan(8, 16, 8, 1, 1, 192, 0.0, 0.0, 15 / 207, {"compute": step})

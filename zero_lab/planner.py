@@ -90,7 +90,8 @@ def tokens_per_step(model: Transformer, plan: Plan) -> int:
 
 
 def training_days(model: Transformer, plan: Plan, tokens: float) -> float:
-    """Days to train on `tokens` at the plan's step time: Narayanan et al. 2021's Eq. 4, 8TP/(nX), with the
+    """Days to train on `tokens` at the plan's step time: 8TP/(nX) (8P flops per token: forward, backward and
+    the recomputed forward), with the
     throughput X per GPU that the cost model gives (8 psi flops per token over the step's GPU-seconds)."""
     return tokens / tokens_per_step(model, plan) * plan.step_seconds / 86400
 
