@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import nbformat
-from graded_cells import _define_helpers, assert_mutant_fails, assert_reference_full_and_learner_zero
+from graded_cells import assert_mutant_fails, assert_reference_full_and_learner_zero, define_helpers
 from zero_lab import RankFailed, launch, prepare, reshard
 from zero_lab.memory_ledger import model_state_bytes
 from zero_lab.models import GPT, GPTConfig
@@ -254,7 +254,7 @@ def run_graded_cell_with(test_id: str, old: str, new: str) -> None:
             exec(compile(cell.source, test_id, "exec"), namespace)
             return
         else:
-            _define_helpers(cell.source, namespace)
+            define_helpers(cell.source, namespace)
 
 
 def test_a_truncated_file_read_without_an_error_is_reported_as_such():
