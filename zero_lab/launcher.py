@@ -453,8 +453,8 @@ class _sigint_deferred:
 def _frozen_for_fork():
     """Fork with the parent's objects in the garbage collector's permanent generation, which the ranks' collections
     skip. A collection that walked them would write to every page holding one: a copy-on-write fault per page, in
-    each rank (a test process or notebook kernel holds millions of objects; measured here: 2 M objects cost each
-    launch of 2 ranks 15 s of CPU, 2 s frozen). The parent's own collections see them again after the fork; a
+    each rank (a test process or notebook kernel holds millions of objects; measured here, under a parent holding
+    2 M: a 2-rank launch that trains a small GPT and collects once, 4 s of the ranks' CPU, 0.5 s frozen). The parent's own collections see them again after the fork; a
     caller's own gc.freeze() is left as it was."""
     mine = gc.get_freeze_count() == 0
     if mine:
